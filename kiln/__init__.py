@@ -1,0 +1,1 @@
+"""Kiln: Qwen3.5 LoRA SFT service."""

@@ -1,0 +1,346 @@
+"""Typed service configuration: `kiln.toml` + `KILN_<SECTION>_<FIELD>` + CLI flags (DESIGN §6).
+
+Precedence is CLI > environment > TOML > default. Unknown keys and bad values stop start-up with
+the key's path and the reason. Settings are read once, at start, and passed down; nothing deeper
+in the code reads the environment. Backend-owned behaviour (SFT loss route, tape, rounding) has
+no setting on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+ENV_PREFIX = "KILN_"
+CONFIG_ENV = "KILN_CONFIG"
+DEFAULT_CONFIG_FILE = "kiln.toml"
+
+# Retired switches of the original; the loader refuses them so a stale service definition is noticed.
+RETIRED_ENV = (
+    "KILN_USE_FLCE",
+    "KILN_BF16_STOCHASTIC_ROUND",
+    "KILN_USE_TAPE_FORWARD",
+    "KILN_USE_TAPE_FLASH_ATTN",
+    "KILN_USE_TAPE_SDPA",
+    "KILN_USE_TAPE_LORA_ADD",
+    "KILN_USE_TAPE_GDN",
+    "KILN_USE_TAPE_GDN_CONV",
+    "KILN_USE_TAPE_GDN_QK_NORM",
+    "KILN_USE_TAPE_GDN_GATED_NORM",
+)
+
+_SECTION = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ServerSettings(BaseModel):
+    model_config = _SECTION
+    host: str = Field("127.0.0.1", description="Address the HTTP api binds to.")
+    port: int = Field(8420, ge=1, le=65535, description="TCP port of the HTTP api.")
+    api_tokens: list[str] = Field(
+        default_factory=list,
+        description="Bearer tokens accepted by the api; empty means no auth (loopback only).",
+    )
+    allow_unauthenticated_remote: bool = Field(
+        False, description="Permit binding a non-loopback address without api_tokens."
+    )
+    max_request_mb: float = Field(64.0, gt=0, description="Largest accepted request body, in MiB.")
+    workers: int = Field(2, ge=1, le=64, description="gunicorn worker processes for `kiln serve`.")
+
+    @field_validator("api_tokens")
+    @classmethod
+    def _tokens(cls, v: list[str]) -> list[str]:
+        if any(not t.strip() for t in v):
+            raise ValueError("api tokens must not be blank")
+        return v
+
+
+class DatabaseSettings(BaseModel):
+    model_config = _SECTION
+    url: str | None = Field(
+        None,
+        description="SQLAlchemy URL; default SQLite at <storage.root>/kiln.db. "
+        "Production: postgresql+psycopg://user:pass@host/db.",
+    )
+    echo: bool = Field(False, description="Log every SQL statement.")
+
+
+class QueueSettings(BaseModel):
+    model_config = _SECTION
+    broker_url: str | None = Field(
+        None,
+        description="Celery broker URL; default a local SQLite-backed broker under the storage root. "
+        "Production: redis://host:6379/0.",
+    )
+    queue_name: str = Field("gpu", min_length=1, description="Celery queue the GPU worker consumes.")
+    visibility_timeout_s: int = Field(
+        172800, ge=60, description="Redis visibility timeout; must exceed the longest job."
+    )
+
+
+class StorageSettings(BaseModel):
+    model_config = _SECTION
+    root: Path = Field(
+        Path(".kiln"),
+        description="Shared storage root: adapters/, datasets/, models/ (and the default SQLite files).",
+    )
+
+
+class ModelSettings(BaseModel):
+    model_config = _SECTION
+    path: Path | None = Field(
+        None, description="Hugging Face Qwen3.5 checkpoint directory; default <storage.root>/models/default."
+    )
+    device: str = Field("cpu", description="Device of the resident model: cpu, cuda or cuda:N.")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if v != "cpu" and v != "cuda" and not (v.startswith("cuda:") and v[5:].isdigit()):
+            raise ValueError("device must be cpu, cuda or cuda:N")
+        return v
+
+
+class TrainingSettings(BaseModel):
+    model_config = _SECTION
+    checkpoint_interval: int | None = Field(
+        None, ge=1, description="Default exact-checkpoint interval (steps) when a request omits it."
+    )
+    max_queued_jobs: int = Field(32, ge=1, description="Queued jobs beyond this get 503 training_queue_full.")
+    max_tracked_jobs: int = Field(1024, ge=1, description="Non-deleted jobs kept before 503 training_tracked_full.")
+    lease_seconds: int = Field(120, ge=5, description="A running job whose lease is older is worker_lost.")
+    heartbeat_seconds: float = Field(5.0, gt=0, description="Runner and job heartbeat period.")
+    runner_stale_seconds: int = Field(60, ge=5, description="A runner silent this long is not alive.")
+    reconcile_interval_seconds: float = Field(30.0, gt=0, description="Period of the worker's reconciler.")
+    max_attempts: int = Field(3, ge=1, description="Deliveries of one job before it fails for good.")
+
+
+class MemorySettings(BaseModel):
+    model_config = _SECTION
+    reserve_gb: float = Field(1.0, ge=0, description="GiB kept free beside the training estimate.")
+    training_memory_gb: float | None = Field(
+        None, gt=0, description="Cap on the GiB training may use, below what the device reports."
+    )
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    database: DatabaseSettings = Field(default_factory=DatabaseSettings)
+    queue: QueueSettings = Field(default_factory=QueueSettings)
+    storage: StorageSettings = Field(default_factory=StorageSettings)
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    training: TrainingSettings = Field(default_factory=TrainingSettings)
+    memory: MemorySettings = Field(default_factory=MemorySettings)
+
+    # ----- derived values -------------------------------------------------------------
+    @property
+    def storage_root(self) -> Path:
+        return self.storage.root.expanduser().resolve()
+
+    @property
+    def database_url(self) -> str:
+        return self.database.url or f"sqlite:///{self.storage_root / 'kiln.db'}"
+
+    @property
+    def broker_url(self) -> str:
+        return self.queue.broker_url or f"sqla+sqlite:///{self.storage_root / 'broker.db'}"
+
+    @property
+    def model_path(self) -> Path:
+        return (self.model.path or self.storage_root / "models" / "default").expanduser().resolve()
+
+    @property
+    def adapters_dir(self) -> Path:
+        return self.storage_root / "adapters"
+
+    @property
+    def datasets_dir(self) -> Path:
+        return self.storage_root / "datasets"
+
+    def ensure_dirs(self) -> None:
+        for d in (self.storage_root, self.adapters_dir, self.datasets_dir, self.storage_root / "models"):
+            d.mkdir(parents=True, exist_ok=True)
+
+
+SECTIONS: dict[str, type[BaseModel]] = {
+    name: f.annotation  # type: ignore[misc]
+    for name, f in Settings.model_fields.items()
+}
+
+
+class ConfigError(Exception):
+    """Start-up configuration error: the key's path (or env name) and the reason."""
+
+
+@dataclass
+class LoadedSettings:
+    settings: Settings
+    sources: dict[str, str] = field(default_factory=dict)  # "section.field" -> where it came from
+    config_file: Path | None = None
+
+    def effective(self) -> list[tuple[str, Any, str]]:
+        rows = []
+        for section in SECTIONS:
+            sec = getattr(self.settings, section)
+            for name in type(sec).model_fields:
+                key = f"{section}.{name}"
+                value = getattr(sec, name)
+                if isinstance(value, Path):
+                    value = str(value)
+                if section == "server" and name == "api_tokens":
+                    value = [f"<redacted {len(t)} chars>" for t in value]
+                rows.append((key, value, self.sources.get(key, "default")))
+        derived = [
+            ("derived.storage_root", str(self.settings.storage_root)),
+            ("derived.database_url", _redact_url(self.settings.database_url)),
+            ("derived.broker_url", _redact_url(self.settings.broker_url)),
+            ("derived.model_path", str(self.settings.model_path)),
+        ]
+        rows.extend((k, v, "derived") for k, v in derived)
+        return rows
+
+
+def _redact_url(url: str) -> str:
+    if "://" in url and "@" in url:
+        scheme, rest = url.split("://", 1)
+        creds, host = rest.rsplit("@", 1)
+        if ":" in creds:
+            return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}"
+    return url
+
+
+def _field_kind(section: str, name: str) -> str:
+    ann = str(SECTIONS[section].model_fields[name].annotation)
+    if "list" in ann:
+        return "list"
+    if "bool" in ann:
+        return "bool"
+    return "scalar"
+
+
+def _parse_env_value(section: str, name: str, raw: str) -> Any:
+    kind = _field_kind(section, name)
+    if kind == "list":
+        raw = raw.strip()
+        if raw.startswith("["):
+            return json.loads(raw)
+        return [p.strip() for p in raw.split(",") if p.strip()]
+    if kind == "bool":
+        low = raw.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{ENV_PREFIX}{section.upper()}_{name.upper()}: expected a boolean, got {raw!r}")
+    if raw.strip().lower() in ("", "null", "none"):
+        return None
+    return raw
+
+
+def _env_overrides(environ: dict[str, str]) -> dict[tuple[str, str], tuple[Any, str]]:
+    out: dict[tuple[str, str], tuple[Any, str]] = {}
+    for key in sorted(environ):
+        if key in RETIRED_ENV:
+            raise ConfigError(
+                f"{key}: this switch was removed without a replacement (the SFT loss route, tape and "
+                "rounding are backend-owned); delete it from the service definition"
+            )
+        if not key.startswith(ENV_PREFIX) or key == CONFIG_ENV:
+            continue
+        rest = key[len(ENV_PREFIX) :]
+        for section in SECTIONS:
+            prefix = section.upper() + "_"
+            if rest.startswith(prefix):
+                name = rest[len(prefix) :].lower()
+                if name not in SECTIONS[section].model_fields:
+                    raise ConfigError(f"{key}: unknown setting {section}.{name}")
+                out[(section, name)] = (_parse_env_value(section, name, environ[key]), f"env:{key}")
+                break
+    return out
+
+
+def _toml_values(path: Path) -> dict[tuple[str, str], Any]:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    out: dict[tuple[str, str], Any] = {}
+    for section, table in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{path}: unknown section [{section}]")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: {section} must be a table")
+        for name, value in table.items():
+            if name not in SECTIONS[section].model_fields:
+                raise ConfigError(f"{path}: unknown key {section}.{name}")
+            out[(section, name)] = value
+    return out
+
+
+def load_settings(
+    config_file: str | Path | None = None,
+    *,
+    cli: dict[str, Any] | None = None,
+    environ: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> LoadedSettings:
+    """Build the effective settings; raises ConfigError naming the key and the reason."""
+    environ = dict(os.environ if environ is None else environ)
+    cwd = cwd or Path.cwd()
+    path: Path | None = None
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"--config {path}: no such file")
+    elif environ.get(CONFIG_ENV):
+        path = Path(environ[CONFIG_ENV])
+        if not path.is_file():
+            raise ConfigError(f"{CONFIG_ENV}={path}: no such file")
+    elif (cwd / DEFAULT_CONFIG_FILE).is_file():
+        path = cwd / DEFAULT_CONFIG_FILE
+
+    values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    sources: dict[str, str] = {}
+    if path is not None:
+        for (s, n), v in _toml_values(path).items():
+            values[s][n] = v
+            sources[f"{s}.{n}"] = f"toml:{path}"
+    for (s, n), (v, src) in _env_overrides(environ).items():
+        values[s][n] = v
+        sources[f"{s}.{n}"] = src
+    for dotted, v in (cli or {}).items():
+        if v is None:
+            continue
+        s, _, n = dotted.partition(".")
+        if s not in SECTIONS or n not in SECTIONS[s].model_fields:
+            raise ConfigError(f"command line: unknown setting {dotted}")
+        values[s][n] = v
+        sources[dotted] = "cli"
+    try:
+        settings = Settings.model_validate(values)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"])
+            origin = sources.get(".".join(str(p) for p in err["loc"][:2]), "default")
+            problems.append(f"{loc} ({origin}): {err['msg']}")
+        raise ConfigError("invalid configuration: " + "; ".join(problems)) from None
+    return LoadedSettings(settings=settings, sources=sources, config_file=path)
+
+
+def check_bind_safety(settings: Settings) -> None:
+    """Refuse to serve a non-loopback address without tokens unless explicitly allowed."""
+    host = settings.server.host
+    loopback = host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
+    if not loopback and not settings.server.api_tokens and not settings.server.allow_unauthenticated_remote:
+        raise ConfigError(
+            f"server.host={host} is not a loopback address and server.api_tokens is empty; set "
+            "KILN_SERVER_API_TOKENS or server.allow_unauthenticated_remote=true"
+        )
+

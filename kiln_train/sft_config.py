@@ -1,0 +1,345 @@
+"""The SFT request contract: `SftRequest`, `SftConfig` and the tagged optimizer object.
+
+Implements seed `000_*` ("Native SFT profile", "Optimizers and learning rate") and
+kiln-contract §1.2–§1.3. Unknown fields are rejected everywhere (general-trainer knobs such as
+`gradient_accumulation_steps` therefore fail as unknown fields); every numeric range is checked
+with a message that names the field. Torch-free.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import secrets
+import struct
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kiln_train.errors import invalid_request
+
+log = logging.getLogger(__name__)
+
+TRAINING_PROFILE = "native_online_lora_v1"
+MAX_LORA_ALPHA_OVER_RANK = 2.0
+U64_MAX = 2**64 - 1
+LR_WARNING_BAND = 50.0
+# Resolved learning rate for SFT when the request omits it (kiln-contract §2.1).
+SFT_DEFAULT_LEARNING_RATE = {"muon": 1e-3, "adam_w": 1e-4, "sgd": 1e-4}
+BUILTIN_SMOKE_PROMPTS = (
+    "In one short sentence, name a primary color:",
+    "Complete this sentence with a brief answer: The capital of France is",
+    "Return a compact JSON tool call for a weather lookup in Paris:",
+)
+_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,255}$")
+
+_STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+def _finite(name: str, value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite")
+    return float(value)
+
+
+def f32_round(value: float) -> float:
+    """The value after conversion to IEEE f32 (inf when it overflows)."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+class SgdConfig(BaseModel):
+    """Plain SGD; stateless, no optimizer-specific fields."""
+
+    model_config = _STRICT
+    kind: Literal["sgd"]
+
+
+class AdamWConfig(BaseModel):
+    """AdamW with decoupled weight decay and bias correction."""
+
+    model_config = _STRICT
+    kind: Literal["adam_w"]
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    @field_validator("beta1", "beta2")
+    @classmethod
+    def _beta(cls, v: float, info) -> float:
+        _finite(info.field_name, v)
+        if not 0.0 <= v < 1.0:
+            raise ValueError(f"{info.field_name} must be in [0, 1)")
+        return v
+
+    @field_validator("eps")
+    @classmethod
+    def _eps(cls, v: float) -> float:
+        if _finite("eps", v) <= 0.0:
+            raise ValueError("eps must be greater than zero")
+        return v
+
+    @field_validator("weight_decay")
+    @classmethod
+    def _wd(cls, v: float) -> float:
+        if _finite("weight_decay", v) < 0.0:
+            raise ValueError("weight_decay must be non-negative")
+        return v
+
+
+class MuonConfig(BaseModel):
+    """Muon: Nesterov momentum + Newton–Schulz orthogonalisation of each LoRA matrix update."""
+
+    model_config = _STRICT
+    kind: Literal["muon"]
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_iters: int = 5
+    weight_decay: float = 0.0
+
+    @field_validator("momentum")
+    @classmethod
+    def _momentum(cls, v: float) -> float:
+        _finite("momentum", v)
+        if not 0.0 <= v < 1.0:
+            raise ValueError("momentum must be in [0, 1)")
+        return v
+
+    @field_validator("ns_iters")
+    @classmethod
+    def _ns(cls, v: int) -> int:
+        if not 1 <= v <= 20:
+            raise ValueError("ns_iters must be in 1..=20")
+        return v
+
+    @field_validator("weight_decay")
+    @classmethod
+    def _wd(cls, v: float) -> float:
+        if _finite("weight_decay", v) < 0.0:
+            raise ValueError("weight_decay must be non-negative")
+        return v
+
+
+OptimizerConfig = Annotated[SgdConfig | AdamWConfig | MuonConfig, Field(discriminator="kind")]
+OPTIMIZER_KINDS = ("muon", "adam_w", "sgd")
+
+
+def _seed(v: Any) -> int | None:
+    if v is None:
+        return None
+    if isinstance(v, bool):
+        raise ValueError("seed must be an unsigned 64-bit integer or its decimal string")
+    if isinstance(v, str):
+        if not re.fullmatch(r"[0-9]{1,20}", v):
+            raise ValueError("seed must be an unsigned 64-bit integer or its decimal string")
+        v = int(v)
+    if not isinstance(v, int) or not 0 <= v <= U64_MAX:
+        raise ValueError("seed must be in 0..=18446744073709551615")
+    return v
+
+
+class SftConfig(BaseModel):
+    """`config` of an SFT request (kiln-contract §1.3). Defaults are the server's."""
+
+    model_config = _STRICT
+
+    training_profile: Literal["native_online_lora_v1"] = TRAINING_PROFILE
+    invalid_row_policy: Literal["fail", "skip"] = "fail"
+    epochs: int = Field(default=3, ge=1, le=100_000)
+    learning_rate: float | None = None
+    lora_rank: int = Field(default=16, ge=1)
+    lora_alpha: float = 32.0
+    train_mtp: bool | None = None
+    base_adapter: str | None = None
+    allow_adapter_shape_conversion: bool = False
+    allow_high_lora_scale: bool = False
+    output_name: str | None = None
+    auto_load: bool = True
+    checkpoint_interval: int | None = Field(default=None, ge=1)
+    resume_checkpoint: str | None = None
+    grad_checkpoint_segments: int | None = Field(default=None, ge=1)
+    detect_anomaly: bool = False
+    seed: Annotated[int | None, Field(default=None)] = None
+    optimizer: OptimizerConfig = Field(default_factory=lambda: MuonConfig(kind="muon"))
+    adapter_smoke_test: bool = False
+    adapter_smoke_prompts: list[str] | None = None
+
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _seed(cls, v: Any) -> int | None:
+        return _seed(v)
+
+    @field_validator("learning_rate")
+    @classmethod
+    def _lr(cls, v: float | None) -> float | None:
+        if v is None:
+            return None
+        _finite("learning_rate", v)
+        if v <= 0.0:
+            raise ValueError("learning_rate must be positive")
+        r = f32_round(v)
+        if not math.isfinite(r) or r <= 0.0:
+            raise ValueError("learning_rate must stay finite and positive after conversion to f32")
+        return v
+
+    @field_validator("lora_alpha")
+    @classmethod
+    def _alpha(cls, v: float) -> float:
+        if _finite("lora_alpha", v) <= 0.0:
+            raise ValueError("lora_alpha must be positive")
+        return v
+
+    @field_validator("base_adapter", "output_name", "resume_checkpoint")
+    @classmethod
+    def _not_blank(cls, v: str | None, info) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError(f"{info.field_name} must not be blank")
+        return v
+
+    @field_validator("output_name")
+    @classmethod
+    def _segment(cls, v: str | None) -> str | None:
+        if v is not None and (not _NAME_RE.match(v) or v in (".", "..") or v.endswith(".kiln-checkpoint")):
+            raise ValueError("output_name must be one path segment of [A-Za-z0-9._-] (at most 255 bytes)")
+        return v
+
+    @field_validator("adapter_smoke_prompts")
+    @classmethod
+    def _prompts(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        if not v:
+            raise ValueError("adapter_smoke_prompts must be a non-empty array")
+        for i, p in enumerate(v):
+            if not p.strip():
+                raise ValueError(f"adapter_smoke_prompts[{i}] must not be blank")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> SftConfig:
+        ratio = self.lora_alpha / self.lora_rank
+        if ratio > MAX_LORA_ALPHA_OVER_RANK and not self.allow_high_lora_scale:
+            raise ValueError(
+                f"unsafe LoRA scaling: lora_alpha/lora_rank = {self.lora_alpha:g}/{self.lora_rank} = "
+                f"{ratio:g} exceeds {MAX_LORA_ALPHA_OVER_RANK:g}; lower lora_alpha or set "
+                "allow_high_lora_scale=true"
+            )
+        if self.adapter_smoke_prompts is not None and not self.adapter_smoke_test:
+            raise ValueError("adapter_smoke_prompts requires adapter_smoke_test=true")
+        if self.optimizer.kind == "muon" and self.lora_rank < 2:
+            raise ValueError("lora_rank must be at least 2 for the muon optimizer")
+        return self
+
+    # ----- resolution ----------------------------------------------------------------
+    @property
+    def alpha_over_rank(self) -> float:
+        return self.lora_alpha / self.lora_rank
+
+    def resolved_learning_rate(self) -> float:
+        return self.learning_rate if self.learning_rate is not None else self.default_learning_rate()
+
+    def default_learning_rate(self) -> float:
+        return SFT_DEFAULT_LEARNING_RATE[self.optimizer.kind]
+
+    def smoke_prompts(self) -> list[str]:
+        return list(self.adapter_smoke_prompts or BUILTIN_SMOKE_PROMPTS)
+
+    def resolve(self, *, seed: int | None = None, server: bool = True) -> SftConfig:
+        """The effective config: learning rate and seed resolved, `train_mtp` normalised.
+
+        `seed` is used only when the request carried none; otherwise one is drawn once here.
+        """
+        if self.train_mtp and server:
+            raise invalid_request(
+                "train_mtp=true is not permitted by the server: MTP alignment is library-only",
+                hint="Omit train_mtp or send false.",
+            )
+        if self.train_mtp:
+            raise invalid_request("train_mtp=true is not implemented by this trainer")
+        lr = self.resolved_learning_rate()
+        if self.learning_rate is not None:
+            default = self.default_learning_rate()
+            if lr > default * LR_WARNING_BAND or lr < default / LR_WARNING_BAND:
+                log.warning(
+                    "learning_rate %g is more than %gx away from the %s default %g",
+                    lr,
+                    LR_WARNING_BAND,
+                    self.optimizer.kind,
+                    default,
+                )
+        eff_seed = self.seed if self.seed is not None else (seed if seed is not None else draw_seed())
+        return self.model_copy(update={"learning_rate": lr, "seed": eff_seed, "train_mtp": False})
+
+    def to_json(self) -> dict:
+        """JSON form with every optimizer field expanded; the seed as a decimal string."""
+        d = self.model_dump(mode="json")
+        if d.get("seed") is not None:
+            d["seed"] = str(d["seed"])
+        return d
+
+
+def draw_seed() -> int:
+    return secrets.randbits(63)
+
+
+class SftRequest(BaseModel):
+    """Body of `POST /v1/train/sft`: exactly one data transport plus an optional config."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    examples: list[dict] | None = None
+    dataset_path: str | None = None
+    dataset: str | None = None
+    dataset_split: Literal["train", "validation", "holdout"] | None = None
+    config: SftConfig = Field(default_factory=SftConfig)
+    post_eval: dict | None = None
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> SftRequest:
+        given = [n for n in ("examples", "dataset_path", "dataset") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError("exactly one of examples, dataset_path or dataset is required")
+        if self.examples is not None and not self.examples:
+            raise ValueError("examples must contain at least one example")
+        if self.dataset_path is not None and not self.dataset_path.strip():
+            raise ValueError("dataset_path must not be blank")
+        if self.dataset_split is not None and self.dataset is None:
+            raise ValueError("dataset_split requires a registered named dataset")
+        if self.dataset is not None:
+            raise ValueError("named datasets are not supported by this server; use examples or dataset_path")
+        if self.post_eval is not None:
+            raise ValueError("post_eval gates are not supported by this server")
+        return self
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """One line per problem, naming the field path (e.g. `config.optimizer.adam_w.beta1`)."""
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err.get("loc", ()))
+        msg = err.get("msg", "invalid")
+        msg = msg.removeprefix("Value error, ")
+        if err.get("type") == "extra_forbidden":
+            msg = "unknown field (not part of the native_online_lora_v1 contract)"
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)
+
+
+def parse_sft_config(obj: Any) -> SftConfig:
+    try:
+        return SftConfig.model_validate(obj if obj is not None else {})
+    except ValidationError as exc:
+        raise invalid_request(describe_validation_error(exc)) from None
+
+
+def parse_sft_request(obj: Any) -> SftRequest:
+    if not isinstance(obj, dict):
+        raise invalid_request("the request body must be a JSON object")
+    try:
+        return SftRequest.model_validate(obj)
+    except ValidationError as exc:
+        raise invalid_request(describe_validation_error(exc)) from None
