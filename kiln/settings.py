@@ -112,7 +112,9 @@ class TrainingSettings(BaseModel):
         None, ge=1, description="Default exact-checkpoint interval (steps) when a request omits it."
     )
     max_queued_jobs: int = Field(32, ge=1, description="Queued jobs beyond this get 503 training_queue_full.")
-    max_tracked_jobs: int = Field(1024, ge=1, description="Non-deleted jobs kept before 503 training_tracked_full.")
+    max_tracked_jobs: int = Field(
+        1024, ge=1, description="Non-deleted jobs kept before 503 training_tracked_full."
+    )
     lease_seconds: int = Field(120, ge=5, description="A running job whose lease is older is worker_lost.")
     heartbeat_seconds: float = Field(5.0, gt=0, description="Runner and job heartbeat period.")
     runner_stale_seconds: int = Field(60, ge=5, description="A runner silent this long is not alive.")
@@ -343,4 +345,3 @@ def check_bind_safety(settings: Settings) -> None:
             f"server.host={host} is not a loopback address and server.api_tokens is empty; set "
             "KILN_SERVER_API_TOKENS or server.allow_unauthenticated_remote=true"
         )
-

@@ -194,7 +194,11 @@ def parse_config(raw: dict) -> Qwen35Config:
             _pick(rope, "partial_rotary_factor", default=_pick(text, "partial_rotary_factor", default=0.25))
         )
         tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
-        dtype = str(_pick(text, "dtype", "torch_dtype", default=_pick(raw, "dtype", "torch_dtype", default="bfloat16")))
+        dtype = str(
+            _pick(
+                text, "dtype", "torch_dtype", default=_pick(raw, "dtype", "torch_dtype", default="bfloat16")
+            )
+        )
         eos = _pick(text, "eos_token_id", default=_pick(raw, "eos_token_id"))
         if isinstance(eos, list):
             eos = eos[0] if eos else None

@@ -83,7 +83,9 @@ def read_ranks(path: Path) -> dict[bytes, int]:
 @lru_cache(maxsize=1)
 def _byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable-unicode map used by ByteLevel BPE."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    )
     mapping, extra = {}, 0
     for b in range(256):
         if b in printable:
