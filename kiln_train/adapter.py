@@ -1,0 +1,243 @@
+"""PEFT adapter directories: writing, atomic publication, reading, the adapter manifest.
+
+kiln-contract §6. Tensor names are the Hugging Face module paths under PEFT's
+`base_model.model.` root (DESIGN §3 **beyond**), so PEFT and serving engines load the adapter
+without a key remap.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from kiln_train.errors import ADAPTER_ALREADY_EXISTS, INVALID_ADAPTER_NAME, KilnError, TrainingFailure
+from kiln_train.model_config import LORA_TARGET_MODULES, Qwen35Config
+from kiln_train.provenance import file_digest, sha256_prefixed
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_MODEL = "adapter_model.safetensors"
+TRAIN_RECEIPT = "train_receipt.json"
+ADAPTER_MANIFEST = "adapter_manifest.json"
+CANARY_STATUS = "adapter_canary_status.json"
+PEFT_PREFIX = "base_model.model.model."
+ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
+_KEY_RE = re.compile(
+    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|linear_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
+)
+
+
+def check_adapter_name(name: str) -> str:
+    if not ADAPTER_NAME_RE.match(name) or name.endswith(".kiln-checkpoint") or "-checkpoint-step-" in name:
+        raise KilnError(INVALID_ADAPTER_NAME, f"invalid adapter name {name!r}")
+    return name
+
+
+def adapter_config(rank: int, alpha: float) -> dict:
+    """`adapter_config.json`: exactly the keys of kiln-contract §6.2."""
+    return {
+        "r": rank,
+        "lora_alpha": float(alpha),
+        "target_modules": list(LORA_TARGET_MODULES),
+        "task_type": "CAUSAL_LM",
+        "bias": "none",
+        "peft_type": "LORA",
+    }
+
+
+def parse_key(key: str) -> tuple[int, str, str, str]:
+    """(layer, block, target, "A"|"B") of a PEFT LoRA key; ValueError if it is not one."""
+    m = _KEY_RE.match(key)
+    if not m or m.group(3) not in LORA_TARGET_MODULES:
+        raise ValueError(f"not a Qwen3.5 LoRA tensor name: {key}")
+    return int(m.group(1)), m.group(2), m.group(3), m.group(4)
+
+
+def expected_shapes(config: Qwen35Config, rank: int) -> dict[str, tuple[int, int]]:
+    """PEFT key -> shape for every LoRA tensor of a rank-`rank` adapter on `config`."""
+    shapes = {}
+    for p in config.projections():
+        base = f"{PEFT_PREFIX}{p.module}"
+        shapes[f"{base}.lora_A.weight"] = (rank, p.in_features)
+        shapes[f"{base}.lora_B.weight"] = (p.out_features, rank)
+    return shapes
+
+
+def lora_delta_norms(tensors: dict, scale: float) -> list[dict]:
+    """Per target module: L2 (Frobenius) norms of A and B and the bound scale·|A|·|B| on |ΔW|."""
+    pairs: dict[tuple[int, str], dict[str, float]] = {}
+    for key, t in tensors.items():
+        layer, _, target, ab = parse_key(key)
+        pairs.setdefault((layer, target), {})[ab] = float(t.double().norm())
+    out = []
+    for target in LORA_TARGET_MODULES:
+        rows = [v for (_, tgt), v in sorted(pairs.items()) if tgt == target and len(v) == 2]
+        if not rows:
+            continue
+        a = [r["A"] for r in rows]
+        b = [r["B"] for r in rows]
+        bound = [scale * r["A"] * r["B"] for r in rows]
+        out.append(
+            {
+                "module": target,
+                "pair_count": len(rows),
+                "a_l2_mean": sum(a) / len(a),
+                "a_l2_max": max(a),
+                "b_l2_mean": sum(b) / len(b),
+                "b_l2_max": max(b),
+                "delta_l2_upper_bound_mean": sum(bound) / len(bound),
+                "delta_l2_upper_bound_max": max(bound),
+            }
+        )
+    return out
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def json_bytes(obj) -> bytes:
+    return (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def publish_adapter(
+    registry: Path,
+    name: str,
+    tensors: dict,
+    *,
+    rank: int,
+    alpha: float,
+    build_receipt: Callable[[dict], dict],
+    build_manifest: Callable[[dict, dict], dict],
+    extra_files: dict[str, bytes] | None = None,
+) -> Path:
+    """Write the adapter in a hidden staging directory, then rename it to `registry/name`.
+
+    `build_receipt(output_identity)` gets `{path, adapter_model_sha256, adapter_model_bytes}` and
+    returns the receipt; `build_manifest(receipt, file_hashes)` returns `adapter_manifest.json`.
+    Never overwrites: an existing name raises `adapter_already_exists`.
+    """
+    from safetensors.torch import save as save_tensors
+
+    check_adapter_name(name)
+    registry.mkdir(parents=True, exist_ok=True)
+    target = registry / name
+    if target.exists():
+        raise KilnError(ADAPTER_ALREADY_EXISTS, f"adapter {name!r} already exists")
+    staging = registry / f".{name}.incomplete-{uuid.uuid4().hex}"
+    staging.mkdir()
+    try:
+        ordered = {k: tensors[k].detach().cpu().contiguous() for k in sorted(tensors)}
+        model_bytes = save_tensors(ordered, metadata={"format": "pt"})
+        _write_file(staging / ADAPTER_MODEL, model_bytes)
+        config_bytes = json_bytes(adapter_config(rank, alpha))
+        _write_file(staging / ADAPTER_CONFIG, config_bytes)
+        for rel, data in (extra_files or {}).items():
+            _write_file(staging / rel, data)
+        output = {
+            "path": str(target),
+            "adapter_model_sha256": sha256_prefixed(model_bytes),
+            "adapter_model_bytes": len(model_bytes),
+        }
+        receipt = build_receipt(output)
+        receipt_bytes = json_bytes(receipt)
+        _write_file(staging / TRAIN_RECEIPT, receipt_bytes)
+        hashes = {
+            "safetensors_hash": output["adapter_model_sha256"],
+            "config_hash": sha256_prefixed(config_bytes),
+            "receipt_hash": sha256_prefixed(receipt_bytes),
+        }
+        _write_file(staging / ADAPTER_MANIFEST, json_bytes(build_manifest(receipt, hashes)))
+        _fsync_dir(staging)
+        if target.exists():
+            raise KilnError(ADAPTER_ALREADY_EXISTS, f"adapter {name!r} already exists")
+        os.rename(staging, target)
+        _fsync_dir(registry)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def read_adapter(path: Path) -> tuple[dict, dict]:
+    """(adapter_config, tensors) of a PEFT adapter directory."""
+    from safetensors.torch import load_file
+
+    cfg_path, model_path = path / ADAPTER_CONFIG, path / ADAPTER_MODEL
+    if not cfg_path.is_file() or not model_path.is_file():
+        raise TrainingFailure("base_adapter_missing", f"{path} is not a PEFT adapter directory")
+    return json.loads(cfg_path.read_text(encoding="utf-8")), load_file(str(model_path))
+
+
+def check_base_adapter(path: Path, config: Qwen35Config, rank: int) -> dict:
+    """Validate a warm-start adapter against the model and the run's rank; returns its tensors."""
+    if path.name.endswith(".kiln-checkpoint"):
+        raise TrainingFailure(
+            "adapter_load_failed",
+            f"{path.name} is an exact checkpoint; use resume_checkpoint to continue it, not base_adapter",
+        )
+    cfg, tensors = read_adapter(path)
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise TrainingFailure(
+            "adapter_load_failed", f"base adapter peft_type {cfg.get('peft_type')} is not LORA"
+        )
+    if int(cfg.get("r", -1)) != rank:
+        raise TrainingFailure(
+            "shape_mismatch", f"base adapter rank {cfg.get('r')} differs from lora_rank {rank}"
+        )
+    targets = set(cfg.get("target_modules") or [])
+    if targets != set(LORA_TARGET_MODULES):
+        raise TrainingFailure(
+            "shape_mismatch",
+            f"base adapter targets {sorted(targets)} differ from {list(LORA_TARGET_MODULES)}",
+        )
+    want = expected_shapes(config, rank)
+    missing = sorted(set(want) - set(tensors))
+    extra = sorted(set(tensors) - set(want))
+    if missing or extra:
+        raise TrainingFailure(
+            "shape_mismatch",
+            f"base adapter tensor set differs: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+            f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}",
+        )
+    for key, shape in want.items():
+        t = tensors[key]
+        if tuple(t.shape) != shape:
+            raise TrainingFailure(
+                "shape_mismatch", f"base adapter {key} has shape {tuple(t.shape)}, want {shape}"
+            )
+        if not bool(t.float().isfinite().all()):
+            raise TrainingFailure("adapter_load_failed", f"base adapter {key} has non-finite values")
+    return tensors
+
+
+def adapter_identity(path: Path | None) -> dict:
+    """`adapters.base` / `adapters.output` receipt object for an adapter directory (or null path)."""
+    if path is None:
+        return {"path": None, "adapter_model_sha256": None, "adapter_model_bytes": None}
+    model = path / ADAPTER_MODEL
+    return {
+        "path": str(path),
+        "adapter_model_sha256": file_digest(model),
+        "adapter_model_bytes": model.stat().st_size,
+    }
+
+
+def finite_or_none(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None

@@ -1,0 +1,280 @@
+"""`train_receipt.json` (kiln-contract §4): one SFT attempt, success or failure.
+
+The receipt is evidence about a run, not a checkpoint: the loss curve lives in the job store and in
+checkpoints' `sft_loop_state.json`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from kiln_train.errors import FAILURE_REASONS
+
+RECEIPT_TYPE = "kiln_train_receipt"
+ADAPTER_MANIFEST_TYPE = "kiln_adapter_manifest"
+
+
+def utc_now_rfc3339() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+@dataclass
+class RunFacts:
+    """Everything a receipt records, gathered by the trainer as the run proceeds."""
+
+    adapter_name: str
+    config: dict  # effective SftConfig JSON (learning rate and seed resolved)
+    learning_rate: float
+    seed: int
+    rank: int
+    alpha: float
+    epochs: int
+    ingestion: dict  # kiln.sft-ingestion.v1
+    loss_route: str
+    training_precision: dict
+    execution_provenance: dict | None
+    model_path: str | None
+    model_identity: dict  # model/tokenizer/template digests (provenance.model_identity)
+    base_weight_shard_manifest: dict | None
+    package_version: str
+    git_commit: str | None = None
+    git_dirty: bool | None = None
+    env_config_hash: str | None = None
+    base_adapter: dict = field(
+        default_factory=lambda: {"path": None, "adapter_model_sha256": None, "adapter_model_bytes": None}
+    )
+    tokens_per_epoch: int = 0
+    supervised_per_epoch: int = 0
+    epochs_completed: int = 0
+    steps_completed: int = 0
+    wall_clock_ms: int = 0
+    peak_memory_bytes: int | None = None
+    lora_grad_norms: list[dict] = field(default_factory=list)
+    adapter_smoke_test: dict | None = None
+    phase_timings: dict = field(default_factory=dict)
+
+
+def build_receipt(
+    facts: RunFacts,
+    *,
+    status: str,
+    failure_reason: str | None = None,
+    failure_message: str | None = None,
+    output: dict | None = None,
+    lora_delta_norms: list[dict] | None = None,
+) -> dict:
+    """Assemble the receipt in the contract's field order."""
+    if status not in ("success", "failed"):
+        raise ValueError(f"receipt status must be success or failed, not {status!r}")
+    if status == "failed" and failure_reason not in FAILURE_REASONS:
+        raise ValueError(f"unknown failure_reason {failure_reason!r}")
+    ing = facts.ingestion
+    ident = facts.model_identity
+    trained = facts.steps_completed if status == "failed" else ing["rows_kept"] * facts.epochs
+    supervised = facts.supervised_per_epoch
+    context = facts.tokens_per_epoch - facts.supervised_per_epoch
+    epochs_for_tokens = facts.epochs if status == "success" else facts.epochs_completed
+    peak_mib = None if facts.peak_memory_bytes is None else round(facts.peak_memory_bytes / 2**20, 1)
+    receipt = {
+        "schema_version": 1,
+        "receipt_type": RECEIPT_TYPE,
+        "adapter_name": facts.adapter_name,
+        "produced_at": utc_now_rfc3339(),
+        "status": status,
+        "failure_reason": failure_reason if status == "failed" else None,
+    }
+    if status == "failed":
+        receipt["failure_message"] = failure_message
+    receipt.update(
+        {
+            "kiln": {
+                "git_commit": facts.git_commit,
+                "git_dirty": facts.git_dirty,
+                "git_source": "git" if facts.git_commit else None,
+                "package_version": facts.package_version,
+                "env_config_hash": facts.env_config_hash,
+            },
+            "model": {
+                "path": facts.model_path,
+                "config_hash": ident.get("model_config_sha256"),
+                "base_weight_shard_manifest": facts.base_weight_shard_manifest,
+            },
+            "tokenizer": {
+                "config_hash": ident.get("tokenizer_vocab_sha256"),
+                "tokenizer_config_hash": ident.get("tokenizer_config_sha256"),
+                "chat_template_hash": ident.get("chat_template_sha256"),
+                "training_chat_template_hash": ident.get("training_chat_template_sha256"),
+            },
+            "adapters": {
+                "base": facts.base_adapter,
+                "output": output or {"path": None, "adapter_model_sha256": None, "adapter_model_bytes": None},
+            },
+            "training_data": {
+                "source": ing["source"],
+                "path": ing.get("source_locator"),
+                "sha256": ing["kept_corpus_sha256"],
+            },
+            "hyperparameters": {
+                "mode": "sft",
+                "rank": facts.rank,
+                "alpha": facts.alpha,
+                "alpha_over_rank": facts.alpha / facts.rank,
+                "learning_rate": facts.learning_rate,
+                "epochs": facts.epochs,
+                "seed": str(facts.seed),
+                "shuffle": True,
+            },
+            "grpo": None,
+            "echo": {
+                "enabled": False,
+                "lambda": None,
+                "env_mask_mode": None,
+                "warning_filter": None,
+                "initial_env_ce": None,
+                "final_env_ce": None,
+            },
+            "no_policy_loss": False,
+            "data": {
+                "examples_read": ing["rows_read"],
+                "examples_filtered": ing["rows_rejected"],
+                "examples_trained": trained,
+                "groups_read": 0,
+                "groups_filtered": 0,
+                "groups_trained": 0,
+                "completions_read": 0,
+                "completions_trained": 0,
+                "reward_groups_filtered": 0,
+                "reward_groups_kept": 0,
+                "sft_ingestion": ing,
+            },
+            "rewards": {
+                "count": 0,
+                "mean": None,
+                "stdev": None,
+                "min": None,
+                "max": None,
+                "group_count": 0,
+                "all_pass_group_count": 0,
+                "all_fail_group_count": 0,
+                "degenerate_group_count": 0,
+                "group_variance_histogram": [],
+            },
+            "token_counts": {
+                "action_tokens": supervised * epochs_for_tokens,
+                "env_tokens": 0,
+                "env_tokens_before_warning_filter": 0,
+                "env_tokens_after_warning_filter": 0,
+                "warning_tokens_filtered": 0,
+                "context_tokens": context * epochs_for_tokens,
+            },
+            "phase_timings": {
+                "tokenize_ms": 0,
+                "mask_build_ms": 0,
+                "reference_forward_ms": 0,
+                "policy_forward_ms": 0,
+                "backward_ms": 0,
+                "optimizer_ms": 0,
+                "gpu_writer_wait_ms": 0,
+                "gpu_writer_held_ms": 0,
+                "gpu_writer_acquisitions": 0,
+                **facts.phase_timings,
+            },
+            "runtime": {
+                "wall_clock_ms": facts.wall_clock_ms,
+                "peak_vram_mib": peak_mib,
+                "peak_memory_bytes": facts.peak_memory_bytes,
+                "sft_loss_route": facts.loss_route,
+                "execution_provenance": facts.execution_provenance,
+                "training_precision": facts.training_precision,
+            },
+            "config_hashes": {
+                "tokenizer_config_hash": ident.get("tokenizer_config_sha256"),
+                "chat_template_hash": ident.get("chat_template_sha256"),
+                "training_chat_template_hash": ident.get("training_chat_template_sha256"),
+                "model_config_hash": ident.get("model_config_sha256"),
+                "kiln_env_config_hash": facts.env_config_hash,
+            },
+            "lora_delta_norms": lora_delta_norms or [],
+            "lora_grad_norms": facts.lora_grad_norms,
+        }
+    )
+    if facts.adapter_smoke_test is not None:
+        receipt["adapter_smoke_test"] = facts.adapter_smoke_test
+    receipt["config"] = facts.config
+    return receipt
+
+
+def validate_receipt(receipt: dict) -> None:
+    """Reader validation of kiln-contract §4.2: envelope and SFT cross-bindings. Raises ValueError."""
+    if receipt.get("schema_version") != 1 or receipt.get("receipt_type") != RECEIPT_TYPE:
+        raise ValueError("not a kiln_train_receipt v1")
+    if not receipt.get("adapter_name"):
+        raise ValueError("adapter_name must be non-empty")
+    status = receipt.get("status")
+    if status not in ("success", "failed"):
+        raise ValueError(f"bad status {status!r}")
+    if status == "success" and receipt.get("failure_reason") is not None:
+        raise ValueError("a successful receipt has no failure_reason")
+    if status == "failed" and receipt.get("failure_reason") not in FAILURE_REASONS:
+        raise ValueError(f"unknown failure_reason {receipt.get('failure_reason')!r}")
+    if receipt["hyperparameters"].get("mode") != "sft":
+        raise ValueError("hyperparameters.mode must be sft")
+    ing = receipt["data"].get("sft_ingestion")
+    if ing is None:
+        raise ValueError("SFT receipts carry data.sft_ingestion")
+    td = receipt["training_data"]
+    if td["source"] != ing["source"] or td["path"] != ing.get("source_locator"):
+        raise ValueError("training_data source/path disagree with data.sft_ingestion")
+    if td["sha256"] != ing["kept_corpus_sha256"]:
+        raise ValueError("training_data.sha256 differs from the kept-corpus digest")
+    if receipt["data"]["examples_read"] != ing["rows_read"]:
+        raise ValueError("data.examples_read differs from rows_read")
+    if receipt["data"]["examples_filtered"] != ing["rows_rejected"]:
+        raise ValueError("data.examples_filtered differs from rows_rejected")
+    if receipt["config"].get("invalid_row_policy") != ing["invalid_row_policy"]:
+        raise ValueError("config.invalid_row_policy differs from the ingestion policy")
+    tok, hashes = receipt["tokenizer"], receipt["config_hashes"]
+    if tok.get("training_chat_template_hash") != hashes.get("training_chat_template_hash"):
+        raise ValueError("training chat template digests disagree")
+    prov = receipt["runtime"].get("execution_provenance")
+    if prov is not None:
+        prov_tmpl = prov.get("model", {}).get("training_chat_template_sha256")
+        if prov_tmpl is not None and prov_tmpl != tok.get("training_chat_template_hash"):
+            raise ValueError("execution provenance template digest disagrees with the tokenizer section")
+    if receipt["runtime"].get("sft_loss_route") is None:
+        raise ValueError("runtime.sft_loss_route is required for SFT")
+
+
+def adapter_manifest(receipt: dict, hashes: dict, *, parent_adapter: str | None) -> dict:
+    """`adapter_manifest.json` (kiln-contract §6.4), written only for a successful run."""
+    ident = receipt["tokenizer"]
+    return {
+        "schema_version": 1,
+        "manifest_type": ADAPTER_MANIFEST_TYPE,
+        "adapter_name": receipt["adapter_name"],
+        "safetensors_hash": hashes["safetensors_hash"],
+        "config_hash": hashes["config_hash"],
+        "receipt_hash": hashes["receipt_hash"],
+        "parent_adapter": parent_adapter,
+        "model_config_hash": receipt["model"]["config_hash"],
+        "training_chat_template_hash": ident["training_chat_template_hash"],
+        "base_weight_shard_manifest": receipt["model"]["base_weight_shard_manifest"],
+        "execution_provenance": receipt["runtime"]["execution_provenance"],
+        "training_precision": receipt["runtime"]["training_precision"],
+        "kiln_commit": receipt["kiln"]["git_commit"],
+        "training_data_hash": receipt["training_data"]["sha256"],
+        "training_data_source": receipt["training_data"]["source"],
+        "training_data_path": receipt["training_data"]["path"],
+        "openenv_training_data": None,
+        "target_modules": {
+            "full_attention": ["q_proj", "k_proj", "v_proj", "o_proj"],
+            "gated_deltanet": ["in_proj_qkv", "in_proj_z", "out_proj"],
+            "mlp": ["gate_proj", "up_proj", "down_proj"],
+        },
+        "files": {
+            "adapter_model": "adapter_model.safetensors",
+            "adapter_config": "adapter_config.json",
+            "train_receipt": "train_receipt.json",
+        },
+    }
