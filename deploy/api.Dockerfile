@@ -1,0 +1,15 @@
+# The front door, the migration job and Flower: no torch in this image (the api never imports it).
+FROM python:3.11-slim-bookworm
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+WORKDIR /opt/kiln
+COPY pyproject.toml README.md ./
+COPY kiln ./kiln
+COPY kiln_train ./kiln_train
+COPY api ./api
+COPY worker ./worker
+COPY migrations ./migrations
+RUN pip install . && useradd --system --uid 10001 kiln && mkdir -p /var/lib/kiln /var/lib/flower \
+    && chown kiln /var/lib/kiln /var/lib/flower
+USER kiln
+EXPOSE 8420 5555
+CMD ["kiln", "serve"]

@@ -1,0 +1,18 @@
+# The GPU worker: CUDA torch (PyPI's default Linux wheel of torch 2.13.0 bundles CUDA) and the
+# optional flash-linear-attention kernels for the Gated DeltaNet layers.
+FROM python:3.11-slim-bookworm
+ARG KILN_TORCH_SPEC="torch==2.13.0"
+ARG KILN_EXTRAS="train,gpu"
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+WORKDIR /opt/kiln
+RUN pip install ${KILN_TORCH_SPEC}
+COPY pyproject.toml README.md ./
+COPY kiln ./kiln
+COPY kiln_train ./kiln_train
+COPY api ./api
+COPY worker ./worker
+COPY migrations ./migrations
+RUN pip install ".[${KILN_EXTRAS}]" && useradd --system --uid 10001 kiln && mkdir -p /var/lib/kiln \
+    && chown kiln /var/lib/kiln
+USER kiln
+CMD ["kiln", "worker"]
