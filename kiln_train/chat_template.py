@@ -1,0 +1,215 @@
+"""Qwen3.5 chat templates: the official inference template and Kiln's SFT training template.
+
+Seed 002 "Conversation rendering" / "HF and TRL equivalence"; kiln-contract §3.7, §4.3.
+
+- `qwen3_5_chat_template.jinja` is the model's own artifact (the official Qwen3.5 think template,
+  byte-identical to TRL's `qwen3_5_think.jinja`). A checkpoint whose chat_template differs is
+  not the pinned Qwen3.5 template and is refused (`select_training_template`).
+- `qwen3_5_training.jinja` is Kiln's training variant: it renders byte-identically to TRL's
+  `qwen3_5_think_training.jinja` and carries one Hugging Face `{% generation %}` block per
+  assistant turn. That file IS the marker-free effective template: Transformers renders it with
+  `return_assistant_tokens_mask=True` as-is (the oracle does), and
+  `training_chat_template_sha256` is the SHA-256 of its bytes.
+- Kiln's own jinja environment implements the `generation` tag as a pair of internal span
+  markers (two Unicode noncharacters, reserved by the standard for process-internal use) around
+  the block's output. `render` removes them and returns the marker-free text plus the character
+  spans they enclosed; loss spans come from the markers only, never from searching the text.
+
+The environment matches Transformers' chat-template environment: immutable sandbox,
+`trim_blocks`, `lstrip_blocks`, loop controls, `raise_exception`, and a `tojson` filter that is
+`json.dumps(x, ensure_ascii=False)` with the default separators (", ", ": ").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from kiln_train.errors import backend_unsupported
+
+TEMPLATE_DIR = Path(__file__).parent / "templates"
+INFERENCE_TEMPLATE_FILE = TEMPLATE_DIR / "qwen3_5_chat_template.jinja"
+TRAINING_TEMPLATE_FILE = TEMPLATE_DIR / "qwen3_5_training.jinja"
+
+# Internal span markers: Unicode noncharacters, never valid in interchanged text. Any occurrence
+# in a row's data fails that row (conversation.py) before rendering; `render` re-checks the output.
+SPAN_OPEN = "\ufdd0"
+SPAN_CLOSE = "\ufdd1"
+SPAN_MARKERS = (SPAN_OPEN, SPAN_CLOSE)
+
+
+class TemplateRenderError(ValueError):
+    """The template refused the conversation (e.g. no user query) or the span markers are malformed."""
+
+
+@dataclass(frozen=True)
+class RenderedConversation:
+    """Marker-free rendered text and the supervised character spans `[start, end)` in it."""
+
+    text: str
+    spans: tuple[tuple[int, int], ...]
+
+
+class _GenerationSpans(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` -> SPAN_OPEN + body + SPAN_CLOSE."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.CallBlock:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+    def _mark(self, caller) -> str:
+        return SPAN_OPEN + caller() + SPAN_CLOSE
+
+
+def _raise_exception(message: str):
+    raise TemplateRenderError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # Jinja's built-in tojson HTML-escapes; chat templates expect plain json.dumps.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationSpans, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    return env
+
+
+def sha256_text(text: str) -> str:
+    """Hex SHA-256 of a template's UTF-8 bytes (the form the receipt and provenance carry)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def extract_spans(marked: str, expected: int | None = None) -> RenderedConversation:
+    """Strip the span markers from `marked`; spans are in marker-free character coordinates.
+
+    Markers must alternate OPEN, CLOSE (no nesting, none left open); with `expected`, exactly that
+    many spans must be present. A violation means a marker came from somewhere other than the
+    template, so the conversation is refused.
+    """
+    pieces: list[str] = []
+    spans: list[tuple[int, int]] = []
+    pos = 0  # read position in `marked`
+    out_len = 0  # length of the marker-free text so far
+    while True:
+        i = marked.find(SPAN_OPEN, pos)
+        if i < 0:
+            tail = marked[pos:]
+            if SPAN_CLOSE in tail:
+                raise TemplateRenderError("span marker closed without an opening marker")
+            pieces.append(tail)
+            break
+        head = marked[pos:i]
+        if SPAN_CLOSE in head:
+            raise TemplateRenderError("span marker closed without an opening marker")
+        j = marked.find(SPAN_CLOSE, i + 1)
+        if j < 0:
+            raise TemplateRenderError("span marker opened and never closed")
+        body = marked[i + 1 : j]
+        if SPAN_OPEN in body:
+            raise TemplateRenderError("nested span markers")
+        pieces.append(head)
+        out_len += len(head)
+        pieces.append(body)
+        spans.append((out_len, out_len + len(body)))
+        out_len += len(body)
+        pos = j + 1
+    if expected is not None and len(spans) != expected:
+        raise TemplateRenderError(f"expected {expected} supervised spans, the template produced {len(spans)}")
+    return RenderedConversation("".join(pieces), tuple(spans))
+
+
+class ChatTemplate:
+    """A compiled chat template (compile once, render many)."""
+
+    def __init__(self, source: str, name: str = "<template>") -> None:
+        self.source = source
+        self.name = name
+        self.sha256 = sha256_text(source)
+        self._compiled = _environment().from_string(source)
+
+    def render_marked(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """Rendered text with span markers still in place (add_generation_prompt=false)."""
+        try:
+            return self._compiled.render(messages=messages, tools=tools, add_generation_prompt=False)
+        except TemplateRenderError:
+            raise
+        except jinja2.TemplateError as exc:
+            raise TemplateRenderError(f"{type(exc).__name__}: {exc}") from None
+        except (TypeError, ValueError, AttributeError, KeyError) as exc:
+            raise TemplateRenderError(f"{type(exc).__name__}: {exc}") from None
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> RenderedConversation:
+        """Render a normalised conversation; one supervised span per assistant message."""
+        expected = sum(1 for m in messages if m.get("role") == "assistant")
+        return extract_spans(self.render_marked(messages, tools), expected)
+
+
+@lru_cache(maxsize=1)
+def training_template() -> ChatTemplate:
+    """Kiln's Qwen3.5 training template, compiled once per process."""
+    return ChatTemplate(TRAINING_TEMPLATE_FILE.read_text(encoding="utf-8"), TRAINING_TEMPLATE_FILE.name)
+
+
+@lru_cache(maxsize=1)
+def official_chat_template() -> str:
+    """The official Qwen3.5 think chat template text (the checkpoint artifact)."""
+    return INFERENCE_TEMPLATE_FILE.read_text(encoding="utf-8")
+
+
+def training_chat_template_sha256() -> str:
+    """Hex SHA-256 of the marker-free effective training template (kiln-contract §4.3)."""
+    return training_template().sha256
+
+
+def chat_template_sha256(text: str | None = None) -> str:
+    """Hex SHA-256 of a model's inference chat template (default: the official Qwen3.5 one)."""
+    return sha256_text(official_chat_template() if text is None else text)
+
+
+def load_model_chat_template(model_dir: str | Path) -> str | None:
+    """A checkpoint's chat template: `chat_template.jinja`, else `tokenizer_config.json`'s field."""
+    root = Path(model_dir)
+    jinja_file = root / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    config_file = root / "tokenizer_config.json"
+    if config_file.is_file():
+        value = json.loads(config_file.read_text(encoding="utf-8")).get("chat_template")
+        if isinstance(value, str):
+            return value
+    return None
+
+
+def select_training_template(model_chat_template: str | None) -> ChatTemplate:
+    """Validate the source-pinned model template and select the training variant (seed 002).
+
+    Like TRL, selection is by exact string equality with the official Qwen3.5 think template;
+    any other template has no verified training variant and is refused.
+    """
+    if model_chat_template is None:
+        raise backend_unsupported("the model directory has no chat template (chat_template.jinja)")
+    if model_chat_template != official_chat_template():
+        raise backend_unsupported(
+            "the model's chat template is not the official Qwen3.5 think template "
+            f"(sha256 {sha256_text(model_chat_template)}, expected {chat_template_sha256()}); "
+            "no verified SFT training variant exists for it"
+        )
+    return training_template()

@@ -1,0 +1,512 @@
+"""SFT ingestion: rows in, tokenized rows and the `kiln.sft-ingestion.v1` receipt out (kiln-contract §3).
+
+Every transport reaches one path: parse -> row identity -> role checks -> render (training
+template) -> tokenize -> assistant-only labels -> row checks. No truncation, packing, splitting or
+dedup, ever: one accepted row is one conversation is one sequence.
+
+Transports:
+- inline `examples` (`ingest_examples`): objects from the request body. An example that cannot
+  be deserialised as an SFT example is a transport error (400 `training_invalid_request` naming
+  the field), never a skippable row -- `invalid_json` exists for JSONL only (§3.2).
+- server-local JSONL (`ingest_jsonl`, path from `resolve_dataset_path`): split on `\\n`, strip
+  ASCII whitespace (space, tab, LF, FF, CR); an empty result is a blank line: ignored, not a row,
+  not counted. Every other line is one row, numbered from 1.
+
+Rejection reasons, in contract order: `invalid_json`, `empty_messages`, `invalid_role`,
+`tokenization_error` (template failure, span-marker collision, undecodable tool arguments,
+non-text content, fewer than 2 tokens, or no supervised token at a position >= 1).
+
+Policies: `fail` (the first rejected row rejects the submission: `training_invalid_request`,
+"SFT row <n> (<row_sha256>) rejected as <reason>: <detail>") and `skip` (rejected rows are
+recorded and logged; at least one row must remain).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kiln_train.chat_template import (
+    ChatTemplate,
+    RenderedConversation,
+    TemplateRenderError,
+    training_template,
+)
+from kiln_train.conversation import (
+    INVALID_JSON,
+    REJECTION_REASONS,
+    TOKENIZATION_ERROR,
+    RowRejection,
+    RowSchemaError,
+    check_roles,
+    parse_example,
+    prepare_for_template,
+)
+from kiln_train.errors import KilnError, invalid_request
+from kiln_train.labels import build_labels, token_ranges
+from kiln_train.row_identity import (
+    PARSED_ROW_DOMAIN,
+    canonical_json,
+    domain_digest,
+    is_digest,
+    kept_corpus_sha256,
+    parsed_row_sha256,
+    raw_row_sha256,
+)
+
+log = logging.getLogger(__name__)
+
+INGESTION_SCHEMA = "kiln.sft-ingestion.v1"
+SOURCES = ("inline", "dataset_path", "named_dataset", "corrections", "recipe", "rust_api")
+POLICIES = ("fail", "skip")
+RECEIPT_FIELDS = (
+    "schema",
+    "source",
+    "source_locator",
+    "invalid_row_policy",
+    "rows_read",
+    "rows_kept",
+    "rows_rejected",
+    "kept_row_hashes",
+    "rejected_rows",
+    "kept_corpus_sha256",
+)
+REJECTED_ROW_FIELDS = ("row_index", "row_sha256", "reason")
+ASCII_WHITESPACE = b" \t\n\x0c\r"  # Rust's u8::is_ascii_whitespace
+CHUNK_ROWS = 256  # rows rendered, then tokenized together with encode_batch
+
+__all__ = [
+    "IngestionResult",
+    "IngestionTimings",
+    "RowOutcome",
+    "TokenizedRow",
+    "ingest_examples",
+    "ingest_jsonl",
+    "iter_example_outcomes",
+    "iter_jsonl_outcomes",
+    "kept_corpus_sha256",
+    "parsed_row_sha256",
+    "raw_row_sha256",
+    "resolve_dataset_path",
+    "validate_ingestion_receipt",
+]
+
+
+@dataclass(frozen=True)
+class TokenizedRow:
+    """One accepted row: token ids and aligned labels (-100 where not supervised)."""
+
+    row_index: int
+    row_sha256: str
+    input_ids: list[int]
+    labels: list[int]
+    supervised_tokens: int  # supervised targets at positions >= 1
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass(frozen=True)
+class RowOutcome:
+    """What happened to one non-blank row: `tokenized` when kept, `reason`/`detail` when rejected."""
+
+    row_index: int
+    row_sha256: str
+    tokenized: TokenizedRow | None = None
+    rendered: RenderedConversation | None = None
+    reason: str | None = None
+    detail: str | None = None
+
+    @property
+    def kept(self) -> bool:
+        return self.tokenized is not None
+
+
+@dataclass(frozen=True)
+class IngestionResult:
+    receipt: dict
+    rows: list[TokenizedRow]
+    max_seq_len: int
+    max_supervised_tokens: int
+    total_tokens: int
+    total_supervised_tokens: int
+
+
+@dataclass
+class IngestionTimings:
+    """Seconds spent per stage (pass one in to measure; the benchmark prints it)."""
+
+    parse_hash: float = 0.0
+    render: float = 0.0
+    tokenize: float = 0.0
+    label: float = 0.0
+    counts: dict = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- sources
+
+
+@dataclass(frozen=True)
+class _SourceRow:
+    """A non-blank row before checks: a decoded object, or the raw line and why it did not parse."""
+
+    row_index: int
+    obj: object = None
+    raw: bytes | None = None
+    parse_error: str | None = None
+
+
+def resolve_dataset_path(dataset_path: str, datasets_root: Path) -> Path:
+    """The file a `dataset_path` names, which must be a regular file inside `datasets_root`.
+
+    Relative paths are relative to `datasets_root`; absolute paths must point inside it. `..`
+    segments are refused outright, and the fully resolved path (symlinks followed) must stay
+    inside the resolved root.
+    """
+    if not isinstance(dataset_path, str) or not dataset_path.strip():
+        raise invalid_request("dataset_path must not be blank")
+    if "\0" in dataset_path:
+        raise invalid_request("dataset_path must not contain NUL bytes")
+    candidate = Path(dataset_path)
+    if ".." in candidate.parts:
+        raise invalid_request(f"dataset_path {dataset_path!r} must not contain '..' segments")
+    try:
+        root = Path(datasets_root).resolve(strict=True)
+    except OSError:
+        raise invalid_request(
+            f"dataset_path {dataset_path!r}: the server's datasets directory {datasets_root} does not exist"
+        ) from None
+    full = candidate if candidate.is_absolute() else root / candidate
+    if candidate.is_absolute() and not (
+        full.is_relative_to(root) or full.is_relative_to(Path(os.path.abspath(datasets_root)))
+    ):
+        raise invalid_request(f"dataset_path {dataset_path!r} is outside the server's datasets directory")
+    try:
+        resolved = full.resolve(strict=True)
+    except (OSError, RuntimeError):
+        raise invalid_request(
+            f"dataset_path {dataset_path!r} does not exist under the datasets directory"
+        ) from None
+    if not resolved.is_relative_to(root):
+        raise invalid_request(
+            f"dataset_path {dataset_path!r} resolves outside the server's datasets directory"
+        )
+    if not resolved.is_file():
+        raise invalid_request(f"dataset_path {dataset_path!r} is not a regular file")
+    return resolved
+
+
+def _jsonl_rows(path: Path) -> Iterator[_SourceRow]:
+    index = 0
+    with open(path, "rb") as f:
+        for raw_line in f:
+            line = raw_line.strip(ASCII_WHITESPACE)
+            if not line:
+                continue
+            index += 1
+            try:
+                obj = json.loads(line.decode("utf-8"), parse_constant=_reject_constant)
+            except (UnicodeDecodeError, ValueError) as exc:
+                yield _SourceRow(index, raw=line, parse_error=f"not valid JSON: {exc}")
+                continue
+            yield _SourceRow(index, obj=obj, raw=line)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _example_rows(examples: Iterable) -> Iterator[_SourceRow]:
+    for i, obj in enumerate(examples):
+        yield _SourceRow(i + 1, obj=obj)
+
+
+# --------------------------------------------------------------------------- the row pipeline
+
+
+@dataclass
+class _Pending:
+    row_index: int
+    row_sha256: str
+    rendered: RenderedConversation
+
+
+def _front(row: _SourceRow, template: ChatTemplate, inline: bool, t: IngestionTimings):
+    """Parse, hash, check and render one row: a RowOutcome (rejected) or a _Pending (rendered)."""
+    t0 = time.perf_counter()
+    if row.parse_error is not None:
+        t.parse_hash += time.perf_counter() - t0
+        return RowOutcome(row.row_index, raw_row_sha256(row.raw), reason=INVALID_JSON, detail=row.parse_error)
+    try:
+        parsed = parse_example(row.obj)
+        canonical = canonical_json(parsed)
+        row_sha = domain_digest(PARSED_ROW_DOMAIN, canonical.encode("utf-8"))
+    except (RowSchemaError, ValueError) as exc:
+        t.parse_hash += time.perf_counter() - t0
+        detail = exc.detail if isinstance(exc, RowSchemaError) else f"not representable as JSON: {exc}"
+        if inline:
+            raise invalid_request(f"examples[{row.row_index - 1}]: {detail}") from None
+        return RowOutcome(row.row_index, raw_row_sha256(row.raw), reason=INVALID_JSON, detail=detail)
+    try:
+        check_roles(parsed)
+        conversation = prepare_for_template(parsed, canonical)
+    except RowRejection as exc:
+        t.parse_hash += time.perf_counter() - t0
+        return RowOutcome(row.row_index, row_sha, reason=exc.reason, detail=exc.detail)
+    t1 = time.perf_counter()
+    t.parse_hash += t1 - t0
+    try:
+        rendered = template.render(conversation.messages, conversation.tools)
+    except TemplateRenderError as exc:
+        t.render += time.perf_counter() - t1
+        return RowOutcome(row.row_index, row_sha, reason=TOKENIZATION_ERROR, detail=f"chat template: {exc}")
+    t.render += time.perf_counter() - t1
+    return _Pending(row.row_index, row_sha, rendered)
+
+
+def _back(pending: list[_Pending], tokenizer, t: IngestionTimings) -> list[RowOutcome]:
+    """Tokenize rendered rows together, label them and apply the token-level row checks."""
+    if not pending:
+        return []
+    t0 = time.perf_counter()
+    encodings = tokenizer.encode_batch([p.rendered.text for p in pending], add_special_tokens=False)
+    t1 = time.perf_counter()
+    t.tokenize += t1 - t0
+    out = []
+    for p, enc in zip(pending, encodings, strict=True):
+        ids = enc.ids
+        if len(ids) < 2:
+            out.append(
+                RowOutcome(
+                    p.row_index,
+                    p.row_sha256,
+                    rendered=p.rendered,
+                    reason=TOKENIZATION_ERROR,
+                    detail=f"the rendered conversation has {len(ids)} token(s); at least 2 are required",
+                )
+            )
+            continue
+        labels = build_labels(ids, token_ranges(enc, p.rendered.spans))
+        if labels.supervised_tokens == 0:
+            out.append(
+                RowOutcome(
+                    p.row_index,
+                    p.row_sha256,
+                    rendered=p.rendered,
+                    reason=TOKENIZATION_ERROR,
+                    detail="no supervised assistant token at a position >= 1 (nothing to learn after the causal shift)",
+                )
+            )
+            continue
+        row = TokenizedRow(p.row_index, p.row_sha256, ids, labels.labels, labels.supervised_tokens)
+        out.append(RowOutcome(p.row_index, p.row_sha256, tokenized=row, rendered=p.rendered))
+    t.label += time.perf_counter() - t1
+    return out
+
+
+def _outcomes(
+    rows: Iterable[_SourceRow],
+    tokenizer,
+    template: ChatTemplate | None,
+    inline: bool,
+    timings: IngestionTimings,
+) -> Iterator[RowOutcome]:
+    template = template or training_template()
+    chunk: list[RowOutcome | _Pending] = []
+
+    def flush() -> list[RowOutcome]:
+        pending = [c for c in chunk if isinstance(c, _Pending)]
+        done = iter(_back(pending, tokenizer, timings))
+        return [next(done) if isinstance(c, _Pending) else c for c in chunk]
+
+    for row in rows:
+        chunk.append(_front(row, template, inline, timings))
+        if len(chunk) >= CHUNK_ROWS:
+            yield from flush()
+            chunk = []
+    yield from flush()
+
+
+def iter_example_outcomes(
+    examples: Iterable, *, tokenizer, template: ChatTemplate | None = None, timings=None
+):
+    """Every inline example's outcome in order (no policy applied); schema errors still raise."""
+    return _outcomes(_example_rows(examples), tokenizer, template, True, timings or IngestionTimings())
+
+
+def iter_jsonl_outcomes(path: Path, *, tokenizer, template: ChatTemplate | None = None, timings=None):
+    """Every non-blank JSONL row's outcome in order (no policy applied)."""
+    return _outcomes(_jsonl_rows(Path(path)), tokenizer, template, False, timings or IngestionTimings())
+
+
+# --------------------------------------------------------------------------- policy and receipt
+
+
+def _apply_policy(
+    outcomes: Iterable[RowOutcome], policy: str, source: str, source_locator: str | None
+) -> IngestionResult:
+    if policy not in POLICIES:
+        raise invalid_request(f"invalid_row_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if source not in SOURCES:
+        raise ValueError(f"unknown SFT source {source!r}")
+    rows: list[TokenizedRow] = []
+    rejected: list[dict] = []
+    read = 0
+    for outcome in outcomes:
+        read += 1
+        if outcome.kept:
+            rows.append(outcome.tokenized)
+            continue
+        message = f"SFT row {outcome.row_index} ({outcome.row_sha256}) rejected as {outcome.reason}: {outcome.detail}"
+        if policy == "fail":
+            raise invalid_request(message)
+        log.warning("skipping %s", message)
+        rejected.append(
+            {"row_index": outcome.row_index, "row_sha256": outcome.row_sha256, "reason": outcome.reason}
+        )
+    if not rows:
+        raise invalid_request(
+            f"SFT corpus contains no trainable rows: read {read} row(s), rejected {len(rejected)} "
+            f"(invalid_row_policy {policy})"
+        )
+    receipt = build_ingestion_receipt(
+        source, source_locator, policy, read, [r.row_sha256 for r in rows], rejected
+    )
+    return IngestionResult(
+        receipt=receipt,
+        rows=rows,
+        max_seq_len=max(r.seq_len for r in rows),
+        max_supervised_tokens=max(r.supervised_tokens for r in rows),
+        total_tokens=sum(r.seq_len for r in rows),
+        total_supervised_tokens=sum(r.supervised_tokens for r in rows),
+    )
+
+
+def build_ingestion_receipt(
+    source: str,
+    source_locator: str | None,
+    policy: str,
+    rows_read: int,
+    kept_row_hashes: list[str],
+    rejected_rows: list[dict],
+) -> dict:
+    """The `kiln.sft-ingestion.v1` object (kiln-contract §3.5), validated before it is returned."""
+    receipt: dict = {"schema": INGESTION_SCHEMA, "source": source}
+    if source_locator is not None:
+        receipt["source_locator"] = source_locator
+    receipt.update(
+        invalid_row_policy=policy,
+        rows_read=rows_read,
+        rows_kept=len(kept_row_hashes),
+        rows_rejected=len(rejected_rows),
+        kept_row_hashes=list(kept_row_hashes),
+        rejected_rows=[dict(r) for r in rejected_rows],
+        kept_corpus_sha256=kept_corpus_sha256(kept_row_hashes),
+    )
+    validate_ingestion_receipt(receipt)
+    return receipt
+
+
+def ingest_examples(
+    examples: list,
+    *,
+    tokenizer,
+    template: ChatTemplate | None = None,
+    policy: str = "fail",
+    source: str = "inline",
+    source_locator: str | None = None,
+    timings: IngestionTimings | None = None,
+) -> IngestionResult:
+    """Ingest inline examples (request `examples`, or rows another source already holds as objects)."""
+    if not isinstance(examples, list):
+        raise invalid_request("examples must be an array of example objects")
+    outcomes = iter_example_outcomes(examples, tokenizer=tokenizer, template=template, timings=timings)
+    return _apply_policy(outcomes, policy, source, source_locator)
+
+
+def ingest_jsonl(
+    path: Path,
+    *,
+    tokenizer,
+    template: ChatTemplate | None = None,
+    policy: str = "fail",
+    source: str = "dataset_path",
+    source_locator: str | None = None,
+    timings: IngestionTimings | None = None,
+) -> IngestionResult:
+    """Ingest a JSONL file (already resolved with `resolve_dataset_path` when it came from a request)."""
+    locator = source_locator if source_locator is not None else str(path)
+    outcomes = iter_jsonl_outcomes(path, tokenizer=tokenizer, template=template, timings=timings)
+    return _apply_policy(outcomes, policy, source, locator)
+
+
+def validate_ingestion_receipt(obj) -> None:
+    """Enforce every `kiln.sft-ingestion.v1` invariant (kiln-contract §3.5); KilnError if one fails."""
+
+    def bad(why: str) -> KilnError:
+        return invalid_request(f"invalid {INGESTION_SCHEMA} receipt: {why}")
+
+    if not isinstance(obj, dict):
+        raise bad("expected an object")
+    unknown = sorted(set(obj) - set(RECEIPT_FIELDS))
+    if unknown:
+        raise bad(f"unknown field(s) {', '.join(unknown)}")
+    missing = [k for k in RECEIPT_FIELDS if k != "source_locator" and k not in obj]
+    if missing:
+        raise bad(f"missing field(s) {', '.join(missing)}")
+    if obj["schema"] != INGESTION_SCHEMA:
+        raise bad(f"schema is {obj['schema']!r}")
+    if obj["source"] not in SOURCES:
+        raise bad(f"source {obj['source']!r} is not one of {', '.join(SOURCES)}")
+    if "source_locator" in obj:
+        locator = obj["source_locator"]
+        if not isinstance(locator, str) or not locator.strip():
+            raise bad("source_locator must be a non-blank string when present")
+    if obj["invalid_row_policy"] not in POLICIES:
+        raise bad(f"invalid_row_policy {obj['invalid_row_policy']!r} is not one of {', '.join(POLICIES)}")
+    counts = {}
+    for key in ("rows_read", "rows_kept", "rows_rejected"):
+        value = obj[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise bad(f"{key} must be a non-negative integer")
+        counts[key] = value
+    if counts["rows_read"] != counts["rows_kept"] + counts["rows_rejected"]:
+        raise bad("rows_read != rows_kept + rows_rejected")
+    if counts["rows_kept"] <= 0:
+        raise bad("rows_kept must be > 0")
+    kept, rejected = obj["kept_row_hashes"], obj["rejected_rows"]
+    if not isinstance(kept, list) or len(kept) != counts["rows_kept"]:
+        raise bad("kept_row_hashes length differs from rows_kept")
+    if not isinstance(rejected, list) or len(rejected) != counts["rows_rejected"]:
+        raise bad("rejected_rows length differs from rows_rejected")
+    for h in kept:
+        if not is_digest(h):
+            raise bad(f"kept row hash {h!r} is not sha256:<64 lowercase hex>")
+    if obj["invalid_row_policy"] == "fail" and rejected:
+        raise bad("a fail-policy ingestion cannot record rejected rows")
+    previous = 0
+    for entry in rejected:
+        if not isinstance(entry, dict) or set(entry) != set(REJECTED_ROW_FIELDS):
+            raise bad(f"rejected row entries have exactly the fields {', '.join(REJECTED_ROW_FIELDS)}")
+        index = entry["row_index"]
+        if not isinstance(index, int) or isinstance(index, bool) or index < 1:
+            raise bad("rejected row_index must be a 1-based integer")
+        if index <= previous:
+            raise bad("rejected row_index values must be strictly increasing")
+        if index > counts["rows_read"]:
+            raise bad(f"rejected row_index {index} exceeds rows_read")
+        previous = index
+        if not is_digest(entry["row_sha256"]):
+            raise bad(f"rejected row_sha256 {entry['row_sha256']!r} is not sha256:<64 lowercase hex>")
+        if entry["reason"] not in REJECTION_REASONS:
+            raise bad(f"rejection reason {entry['reason']!r} is not one of {', '.join(REJECTION_REASONS)}")
+    if not is_digest(obj["kept_corpus_sha256"]):
+        raise bad("kept_corpus_sha256 is not sha256:<64 lowercase hex>")
+    if kept_corpus_sha256(kept) != obj["kept_corpus_sha256"]:
+        raise bad("kept_corpus_sha256 does not recompute from kept_row_hashes")
