@@ -1,0 +1,270 @@
+"""What a checkpoint manifest must mean, beyond its shape (kiln-contract §5.2, §5.3, §5.7).
+
+`validate_manifest` runs every rule that needs only the manifest: the §5.2 validation list, the
+SFT cross-bindings (seed, learning rate, optimizer, data arithmetic, the recomputed epoch order)
+and the resumability gates of §5.7 (round-to-nearest only, the v4 planning identity, the full
+SFT auxiliary state). The writer runs it before publishing, the loader after parsing, status
+discovery on its own. Each failure is a `CheckpointError` naming the field.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from typing import Any
+
+from pydantic import ValidationError
+
+from kiln_train.backend import SFT_LOSS_ROUTES
+from kiln_train.checkpoint.epoch_order import epoch_order
+from kiln_train.checkpoint.errors import CheckpointError
+from kiln_train.checkpoint.manifest import (
+    MAX_FILES,
+    MAX_RELPATH_BYTES,
+    RESERVED_NAMES,
+    ROUND_TO_NEAREST,
+    SFT_AUXILIARY_KEYS,
+    SFT_LOOP_STATE_TYPE,
+    SFT_PLANNING_SCHEMA,
+    STATE_FILE_ROLES,
+    CheckpointManifest,
+    check_identifier,
+    checkpoint_id_for,
+)
+from kiln_train.sft_config import SftConfig, describe_validation_error
+
+
+def check_relpath(field: str, path: str) -> None:
+    """A `files` key: relative, normalised, `/`-separated, <= 1024 bytes, not a reserved name."""
+    problem = None
+    if not path:
+        problem = "is empty"
+    elif len(path.encode("utf-8")) > MAX_RELPATH_BYTES:
+        problem = f"exceeds {MAX_RELPATH_BYTES} bytes"
+    elif "\\" in path or "\0" in path:
+        problem = "contains a backslash or NUL"
+    elif path.startswith("/"):
+        problem = "is absolute"
+    elif posixpath.normpath(path) != path or any(part in ("", ".", "..") for part in path.split("/")):
+        problem = "is not a normalised relative path"
+    elif path in RESERVED_NAMES or posixpath.basename(path) in RESERVED_NAMES:
+        problem = "is a reserved name"
+    if problem:
+        raise CheckpointError(f"{field}: path {path!r} {problem}")
+
+
+def _check_progress(m: CheckpointManifest) -> None:
+    p, item_count = m.progress, m.data.item_count
+    if p.global_step > p.total_steps:
+        raise CheckpointError(
+            f"progress.global_step: {p.global_step} exceeds progress.total_steps {p.total_steps}"
+        )
+    if p.cursor_in_epoch > len(p.data_order):
+        raise CheckpointError(
+            f"progress.cursor_in_epoch: {p.cursor_in_epoch} exceeds len(progress.data_order) {len(p.data_order)}"
+        )
+    if p.global_step < p.total_steps and not p.data_order:
+        raise CheckpointError("progress.data_order: empty while the run is unfinished")
+    if p.data_order:
+        if len(p.data_order) != item_count:
+            raise CheckpointError(
+                f"progress.data_order: has {len(p.data_order)} entries, data.item_count is {item_count}"
+            )
+        if sorted(p.data_order) != list(range(item_count)):
+            raise CheckpointError(
+                f"progress.data_order: not a permutation of 0..{item_count - 1} (entries must be unique and "
+                f"< data.item_count)"
+            )
+    if not m.optimizer.step == m.scheduler.step == p.global_step:
+        raise CheckpointError(
+            f"optimizer.step: optimizer.step {m.optimizer.step}, scheduler.step {m.scheduler.step} and "
+            f"progress.global_step {p.global_step} must be equal"
+        )
+
+
+def _check_files(m: CheckpointManifest) -> None:
+    if not 1 <= len(m.files) <= MAX_FILES:
+        raise CheckpointError(f"files: {len(m.files)} entries; a checkpoint holds 1..={MAX_FILES} files")
+    for path in m.files:
+        check_relpath(f"files[{path!r}]", path)
+    for member, path in m.state_files.present().items():
+        check_relpath(f"state_files.{member}", path)
+        record = m.files.get(path)
+        if record is None:
+            raise CheckpointError(f"state_files.{member}: {path!r} is not listed in files")
+        if record.role != STATE_FILE_ROLES[member]:
+            raise CheckpointError(
+                f"files[{path!r}].role: {record.role!r}, but state_files.{member} requires "
+                f"{STATE_FILE_ROLES[member]!r}"
+            )
+    if (m.optimizer.state_file is None) != (m.state_files.optimizer_state is None):
+        raise CheckpointError(
+            "optimizer.state_file: must be present exactly when state_files.optimizer_state is present"
+        )
+    if m.optimizer.state_file is not None and m.optimizer.state_file != m.state_files.optimizer_state:
+        raise CheckpointError(
+            f"optimizer.state_file: {m.optimizer.state_file!r} differs from state_files.optimizer_state "
+            f"{m.state_files.optimizer_state!r}"
+        )
+
+
+def _effective_sft_config(m: CheckpointManifest) -> SftConfig:
+    cfg = m.effective_config
+    if "resume_checkpoint" in cfg:
+        raise CheckpointError("effective_config.resume_checkpoint: must not be recorded in a checkpoint")
+    try:
+        config = SftConfig.model_validate(cfg)
+    except ValidationError as exc:
+        raise CheckpointError(f"effective_config: {describe_validation_error(exc)}") from None
+    if config.learning_rate is None:
+        raise CheckpointError("effective_config.learning_rate: must be the resolved learning rate, not null")
+    if config.seed is None:
+        raise CheckpointError("effective_config.seed: must be the effective seed, not null")
+    return config
+
+
+def _check_sft_bindings(m: CheckpointManifest) -> None:
+    config = _effective_sft_config(m)
+    p, d, opt = m.progress, m.data, m.optimizer
+    if m.checkpoint_id != checkpoint_id_for(p.global_step):
+        raise CheckpointError(
+            f"checkpoint_id: {m.checkpoint_id!r} is not {checkpoint_id_for(p.global_step)!r} for global step "
+            f"{p.global_step}"
+        )
+    lr = config.learning_rate
+    if opt.hyperparameters.learning_rate != lr:
+        raise CheckpointError(
+            f"optimizer.hyperparameters.learning_rate: {opt.hyperparameters.learning_rate!r} differs from "
+            f"effective_config.learning_rate {lr!r}"
+        )
+    if m.scheduler.state.learning_rate != lr:
+        raise CheckpointError(
+            f"scheduler.state.learning_rate: {m.scheduler.state.learning_rate!r} differs from "
+            f"effective_config.learning_rate {lr!r}"
+        )
+    if opt.kind != config.optimizer.kind or opt.hyperparameters.optimizer != config.optimizer:
+        raise CheckpointError("optimizer.hyperparameters.optimizer: differs from effective_config.optimizer")
+    if opt.hyperparameters.optimizer.kind != opt.kind:
+        raise CheckpointError(
+            f"optimizer.kind: {opt.kind!r} differs from optimizer.hyperparameters.optimizer.kind "
+            f"{opt.hyperparameters.optimizer.kind!r}"
+        )
+    if (opt.kind == "sgd") != (m.state_files.optimizer_state is None):
+        raise CheckpointError(
+            f"state_files.optimizer_state: {opt.kind} {'has no' if opt.kind == 'sgd' else 'requires an'} "
+            "optimizer state file"
+        )
+    if m.state_files.loss_history is None:
+        raise CheckpointError("state_files.loss_history: an SFT checkpoint must carry its loop state")
+    for name, stream in (("epoch-order", m.rng_states.epoch_order), ("lora-init", m.rng_states.lora_init)):
+        if stream.seed != config.seed:
+            raise CheckpointError(
+                f"rng_states.{name}.seed: {stream.seed} differs from effective_config.seed {config.seed}"
+            )
+    if m.rng_states.epoch_order.position != p.epoch_index:
+        raise CheckpointError(
+            f"rng_states.epoch-order.position: {m.rng_states.epoch_order.position} differs from "
+            f"progress.epoch_index {p.epoch_index}"
+        )
+    if m.rng_states.lora_init.position != 0:
+        raise CheckpointError(f"rng_states.lora-init.position: {m.rng_states.lora_init.position}, expected 0")
+    # One conversation per optimizer step: the step count is fixed by epochs and kept rows.
+    if p.total_steps != config.epochs * d.item_count:
+        raise CheckpointError(
+            f"progress.total_steps: {p.total_steps} is not effective_config.epochs {config.epochs} x "
+            f"data.item_count {d.item_count}"
+        )
+    if p.epoch_index * d.item_count + p.cursor_in_epoch != p.global_step:
+        raise CheckpointError(
+            f"progress.global_step: {p.global_step} is not epoch_index {p.epoch_index} x item_count "
+            f"{d.item_count} + cursor_in_epoch {p.cursor_in_epoch}"
+        )
+    if p.data_order and p.data_order != epoch_order(config.seed, p.epoch_index, d.item_count):
+        raise CheckpointError(
+            f"progress.data_order: differs from the seeded order for epoch {p.epoch_index} "
+            f"(kiln-py.epoch-order.v1, seed {config.seed})"
+        )
+
+
+def _check_sft_resumable(m: CheckpointManifest) -> None:
+    rounding = m.precision_policy.stochastic_rounding
+    if rounding != {"mode": ROUND_TO_NEAREST}:
+        raise CheckpointError(
+            f"precision_policy.stochastic_rounding: the checkpoint records {rounding!r}; product training is "
+            "round-to-nearest only, so a legacy stochastic-rounding checkpoint is not resumable"
+        )
+    aux = m.auxiliary_state
+    missing = [key for key in SFT_AUXILIARY_KEYS if key not in aux]
+    if missing:
+        raise CheckpointError(
+            f"auxiliary_state.{missing[0]}: required for an SFT checkpoint (missing: {', '.join(missing)}); "
+            "legacy checkpoints are not resumable"
+        )
+    if aux["loop_state_type"] != SFT_LOOP_STATE_TYPE:
+        raise CheckpointError(
+            f"auxiliary_state.loop_state_type: {aux['loop_state_type']!r} is not {SFT_LOOP_STATE_TYPE!r}"
+        )
+    _check_planning_identity(aux["training_runtime_planning_identity"])
+    shards = aux["base_weight_shard_manifest"]
+    if not isinstance(shards, dict) or not isinstance(shards.get("aggregate_sha256"), str):
+        raise CheckpointError(
+            "auxiliary_state.base_weight_shard_manifest: must be a kiln.base-weight-shards.v1 object with "
+            "aggregate_sha256"
+        )
+    if aux["base_model_weights_sha256"] != shards["aggregate_sha256"]:
+        raise CheckpointError(
+            f"auxiliary_state.base_model_weights_sha256: {aux['base_model_weights_sha256']!r} differs from "
+            f"base_weight_shard_manifest.aggregate_sha256 {shards['aggregate_sha256']!r}"
+        )
+    provenance = aux["execution_provenance"]
+    if not isinstance(provenance, dict) or not _non_empty_str(provenance.get("provenance_sha256")):
+        raise CheckpointError(
+            "auxiliary_state.execution_provenance: must be a full execution-provenance object with "
+            "provenance_sha256"
+        )
+    if aux["training_precision_policy"] != m.precision_policy.model_dump(mode="json"):
+        raise CheckpointError("auxiliary_state.training_precision_policy: differs from precision_policy")
+    for key in (
+        "model_config_sha256",
+        "tokenizer_config_sha256",
+        "chat_template_sha256",
+        "training_chat_template_sha256",
+        "kiln_train_version",
+        "gradient_checkpoint_plan_sha256",
+        "ingestion_receipt_sha256",
+        "valid_indices_sha256",
+    ):
+        if not _non_empty_str(aux[key]):
+            raise CheckpointError(f"auxiliary_state.{key}: must be a non-empty string")
+
+
+def _check_planning_identity(identity: Any) -> None:
+    field = "auxiliary_state.training_runtime_planning_identity"
+    if not isinstance(identity, dict):
+        raise CheckpointError(f"{field}: must be an object")
+    schema = identity.get("schema")
+    if schema != SFT_PLANNING_SCHEMA:
+        raise CheckpointError(
+            f"{field}.schema: {schema!r} is not the SFT planning identity {SFT_PLANNING_SCHEMA!r}; a checkpoint "
+            "planned under another schema is planning drift and not resumable"
+        )
+    route = identity.get("sft_loss_route")
+    if route not in SFT_LOSS_ROUTES:
+        raise CheckpointError(f"{field}.sft_loss_route: {route!r} is not one of {', '.join(SFT_LOSS_ROUTES)}")
+
+
+def _non_empty_str(value: Any) -> bool:
+    return isinstance(value, str) and bool(value.strip())
+
+
+def validate_manifest(m: CheckpointManifest) -> None:
+    """Every manifest-only rule of §5.2/§5.3/§5.7, in contract order; raises `CheckpointError`."""
+    check_identifier("adapter_name", m.adapter_name)
+    check_identifier("checkpoint_id", m.checkpoint_id)
+    if m.training_kind != "sft":
+        raise CheckpointError(
+            f"training_kind: {m.training_kind!r} checkpoints cannot be read by this SFT trainer"
+        )
+    _check_progress(m)
+    _check_files(m)
+    _check_sft_bindings(m)
+    _check_sft_resumable(m)
