@@ -1,0 +1,74 @@
+"""AdamW with decoupled weight decay, bias correction and per-parameter step counters.
+
+Seed `000_*` "Optimizers and learning rate" and "AdamW numerical qualification". The f32 lane
+math is written as the same tensor operations, in the same order and with the same double-precision
+scalars, as eager `torch.optim.AdamW(foreach=False, fused=False)` (the oracle of
+`qualification/adamw_pytorch_oracle.py`):
+
+    step  += 1
+    p     *= 1 - lr * weight_decay                 (decoupled decay, before the moments)
+    m      = lerp(m, g, 1 - beta1)
+    v      = v * beta2 + (1 - beta2) * g * g
+    denom  = sqrt(v) / sqrt(1 - beta2**step) + eps
+    p     += -(lr / (1 - beta1**step)) * m / denom
+
+so an f32 parameter reproduces the oracle to the last bit on the same device. A bf16 parameter runs
+the identical f32 math on upcast temporaries (parameter, gradient, both moments) and rounds each
+output once, whereas eager bf16 PyTorch rounds after every tensor operation; that difference is
+the contract's declared 1/4/3-ULP envelope for parameters/first/second moments.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from kiln_train.optim.base import Optimizer, upcast, write_back
+from kiln_train.optim.state import ADAMW_FIELDS
+
+
+class AdamW(Optimizer):
+    kind = "adam_w"
+    state_fields = ADAMW_FIELDS
+
+    def __init__(
+        self,
+        params,
+        lr: float,
+        *,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__(params, lr)
+        self.beta1 = float(beta1)
+        self.beta2 = float(beta2)
+        self.eps = float(eps)
+        self.weight_decay = float(weight_decay)
+
+    def _update(self, name: str, param: Tensor, grad: Tensor) -> None:
+        state = self.state[name]
+        step = self.param_steps[name]
+        p, g = upcast(param), upcast(grad)
+        m, v = upcast(state["m"]), upcast(state["v"])
+        if self.weight_decay != 0.0:
+            p.mul_(1 - self.lr * self.weight_decay)
+        m.lerp_(g, 1 - self.beta1)
+        v.mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)
+        bias_correction1 = 1 - self.beta1**step
+        bias_correction2 = 1 - self.beta2**step
+        step_size = self.lr / bias_correction1
+        denom = (v.sqrt() / bias_correction2**0.5).add_(self.eps)
+        p.addcdiv_(m, denom, value=-step_size)
+        write_back(param, p)
+        write_back(state["m"], m)
+        write_back(state["v"], v)
+
+    def hyperparameters(self) -> dict:
+        return {
+            "kind": self.kind,
+            "beta1": self.beta1,
+            "beta2": self.beta2,
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+        }

@@ -1,0 +1,64 @@
+"""Optimizer state serialisation: the `optimizer.safetensors` key layout (kiln-contract §5.1).
+
+Every state array is stored as F32 and every per-parameter step counter as U32 shape [1]:
+
+- AdamW: `{key}.adamw.m`, `{key}.adamw.v`, `{key}.adamw.step`
+- Muon: `{key}.muon.momentum`, `{key}.muon.step`
+- SGD: no state (the checkpoint has no `optimizer.safetensors`).
+
+`{key}` is the trainable leaf's name (the PEFT tensor name). Loading casts back into the resident
+dtype and device; the F32 file is a portable encoding, not a master copy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from safetensors.torch import load as _load_bytes
+from safetensors.torch import load_file as _load_file
+from safetensors.torch import save as _save_bytes
+from safetensors.torch import save_file as _save_file
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from kiln_train.optim.base import Optimizer
+
+OPTIMIZER_STATE_FILE = "optimizer.safetensors"
+STEP = "step"
+# Contract key segment per optimizer kind (the kind enum is `adam_w`, the key segment `adamw`).
+KEY_SEGMENT = {"adam_w": "adamw", "muon": "muon", "sgd": "sgd"}
+ADAMW_FIELDS = ("m", "v")
+MUON_FIELDS = ("momentum",)
+
+
+def state_key(param_name: str, kind: str, field: str) -> str:
+    """`{key}.adamw.m` and friends."""
+    return f"{param_name}.{KEY_SEGMENT[kind]}.{field}"
+
+
+def encode_state(tensors: dict[str, Tensor]) -> bytes:
+    """The safetensors bytes of a `state_tensors()` dict."""
+    return _save_bytes(tensors)
+
+
+def decode_state(data: bytes) -> dict[str, Tensor]:
+    return _load_bytes(data)
+
+
+def has_state_file(optimizer: Optimizer) -> bool:
+    """SGD is stateless: its checkpoint carries no optimizer file."""
+    return bool(optimizer.state_fields)
+
+
+def save_state_file(optimizer: Optimizer, path: str | Path) -> None:
+    """Write `optimizer.safetensors` for a stateful optimizer."""
+    if not has_state_file(optimizer):
+        raise ValueError(f"the {optimizer.kind} optimizer is stateless and has no state file")
+    _save_file(optimizer.state_tensors(), str(path))
+
+
+def load_state_file(optimizer: Optimizer, path: str | Path, *, global_step: int) -> None:
+    """Restore `optimizer.safetensors` into `optimizer` (exact keys, shapes, finite, steps)."""
+    optimizer.load_state_tensors(_load_file(str(path), device="cpu"), global_step=global_step)
