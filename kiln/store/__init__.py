@@ -1,0 +1,135 @@
+"""The job store shared by the api and the worker (SQLAlchemy 2 only: no Flask, Celery or torch).
+
+DESIGN.md §1 and §5. Functions take a `Session` and never commit; the caller owns the
+transaction (`with factory.begin() as session: ...`). Production creates the schema with
+`upgrade_database(url)` (Alembic), never with `create_all_for_tests`.
+"""
+
+from kiln.store import states
+from kiln.store.admission import (
+    find_by_idempotency_key,
+    insert_admitted_job,
+    mark_published,
+    new_job_id,
+    next_queue_seq,
+)
+from kiln.store.artifacts import (
+    delete_adapter,
+    get_adapter,
+    get_checkpoint,
+    latest_checkpoint,
+    list_adapters,
+    list_checkpoints,
+    loss_history,
+    record_checkpoint,
+    register_adapter,
+)
+from kiln.store.engine import (
+    create_all_for_tests,
+    current_revision,
+    downgrade_database,
+    head_revision,
+    make_engine,
+    normalize_url,
+    session_factory,
+    upgrade_database,
+)
+from kiln.store.errors import IdempotencyKeyTaken, InvalidTransition, LeaseLost, StoreError
+from kiln.store.events import append_event, list_events
+from kiln.store.jobs import (
+    CANCELLED,
+    CANCELLING,
+    claim_job,
+    delete_job,
+    finish_job,
+    get_admission,
+    get_job,
+    is_cancel_requested,
+    list_jobs,
+    record_step,
+    renew_lease,
+    request_cancel,
+    require_job,
+)
+from kiln.store.models import (
+    Adapter,
+    Admission,
+    Base,
+    Checkpoint,
+    Job,
+    JobEvent,
+    Runner,
+    TrainingStep,
+    utcnow,
+)
+from kiln.store.queue import count_queued, count_tracked, list_queued, queue_position, queue_positions
+from kiln.store.reconcile import expired_leases, fail_worker_lost, requeue_for_resume, unpublished_jobs
+from kiln.store.runners import get_runner, heartbeat_runner, live_runner, register_runner, stop_runner
+
+__all__ = [
+    "CANCELLED",
+    "CANCELLING",
+    "Adapter",
+    "Admission",
+    "Base",
+    "Checkpoint",
+    "IdempotencyKeyTaken",
+    "InvalidTransition",
+    "Job",
+    "JobEvent",
+    "LeaseLost",
+    "Runner",
+    "StoreError",
+    "TrainingStep",
+    "append_event",
+    "claim_job",
+    "count_queued",
+    "count_tracked",
+    "create_all_for_tests",
+    "current_revision",
+    "delete_adapter",
+    "delete_job",
+    "downgrade_database",
+    "expired_leases",
+    "fail_worker_lost",
+    "find_by_idempotency_key",
+    "finish_job",
+    "get_adapter",
+    "get_admission",
+    "get_checkpoint",
+    "get_job",
+    "get_runner",
+    "head_revision",
+    "heartbeat_runner",
+    "insert_admitted_job",
+    "is_cancel_requested",
+    "latest_checkpoint",
+    "list_adapters",
+    "list_checkpoints",
+    "list_events",
+    "list_jobs",
+    "list_queued",
+    "live_runner",
+    "loss_history",
+    "make_engine",
+    "mark_published",
+    "new_job_id",
+    "next_queue_seq",
+    "normalize_url",
+    "queue_position",
+    "queue_positions",
+    "record_checkpoint",
+    "record_step",
+    "register_adapter",
+    "register_runner",
+    "renew_lease",
+    "request_cancel",
+    "require_job",
+    "requeue_for_resume",
+    "session_factory",
+    "states",
+    "stop_runner",
+    "unpublished_jobs",
+    "upgrade_database",
+    "utcnow",
+]

@@ -1,0 +1,122 @@
+"""Engines, sessions and schema upgrades for the job store (DESIGN.md §5).
+
+Postgres in production (psycopg 3), SQLite as the embedded default. Production creates and
+upgrades the schema with Alembic (`upgrade_database`), never with `create_all`.
+
+Transactions: store functions never commit; the caller owns the transaction, e.g.
+`with factory.begin() as session: claim_job(session, ...)`. Keep transactions short (no
+tokenization or training inside one): on SQLite a transaction holds the database's write lock.
+
+SQLite specifics, and why:
+- `BEGIN IMMEDIATE` for every transaction: the write lock is taken at BEGIN, so a transaction
+  that reads and then writes (cancel, admission, the reconciler) can never be refused with
+  SQLITE_BUSY_SNAPSHOT half way; other writers wait up to `busy_timeout` instead.
+- WAL journal (readers do not block the writer), `busy_timeout`, and `foreign_keys=ON`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+from kiln.store.models import Base
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+ALEMBIC_URL_ATTRIBUTE = "kiln_database_url"
+
+
+def normalize_url(url: str) -> str:
+    """Map `postgres://` and `postgresql://` to the psycopg 3 driver; leave others as given."""
+    parsed = make_url(url)
+    if parsed.drivername in ("postgres", "postgresql"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed.render_as_string(hide_password=False)
+
+
+def make_engine(url: str, echo: bool = False) -> Engine:
+    """An Engine for a SQLite file/memory URL or a Postgres URL, configured as described above."""
+    url = normalize_url(url)
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return create_engine(url, echo=echo, pool_pre_ping=True)
+    if parsed.database and parsed.database != ":memory:":
+        Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(url, echo=echo, connect_args={"check_same_thread": False})
+    _configure_sqlite(engine, in_memory=not parsed.database or parsed.database == ":memory:")
+    return engine
+
+
+def _configure_sqlite(engine: Engine, *, in_memory: bool) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection, _record) -> None:
+        # Take BEGIN away from the sqlite3 driver (its legacy mode skips BEGIN for SELECT and
+        # DDL); SQLAlchemy emits BEGIN IMMEDIATE below instead.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        if not in_memory:
+            cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def session_factory(engine: Engine) -> sessionmaker[Session]:
+    """Sessions whose objects stay readable after commit (the api serializes them afterwards)."""
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+def create_all_for_tests(engine: Engine) -> None:
+    """Create the tables straight from the models. Tests only: production runs `upgrade_database`."""
+    Base.metadata.create_all(engine)
+
+
+def migrations_dir() -> Path:
+    """The Alembic script directory (the `migrations` package), from any cwd or installation."""
+    spec = importlib.util.find_spec("migrations")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the 'migrations' package is not importable; install kiln")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def alembic_config(url: str) -> Config:
+    """An Alembic Config built in code: script location from the package, URL as an attribute."""
+    config = Config()
+    config.set_main_option("script_location", str(migrations_dir()))
+    config.attributes[ALEMBIC_URL_ATTRIBUTE] = normalize_url(url)
+    return config
+
+
+def upgrade_database(url: str, revision: str = "head") -> None:
+    """Run `alembic upgrade <revision>` on the database at `url` (the production schema path)."""
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade_database(url: str, revision: str = "base") -> None:
+    """Run `alembic downgrade <revision>` on the database at `url`."""
+    command.downgrade(alembic_config(url), revision)
+
+
+def head_revision() -> str:
+    """The newest revision the installed migrations know."""
+    head = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+    if head is None:
+        raise RuntimeError("no Alembic revisions found")
+    return head
+
+
+def current_revision(engine: Engine) -> str | None:
+    """The revision the database is at (None when it was never migrated)."""
+    with engine.connect() as connection:
+        return MigrationContext.configure(connection).get_current_revision()

@@ -1,0 +1,39 @@
+"""The job store's own exceptions (contract errors are `kiln_train.errors.KilnError`).
+
+The store raises `KilnError` where the contract names the outcome (kiln-contract §1.6: job not
+found, not cancellable, already started, adapter not found) so the api can answer with the
+envelope as is; it raises the classes below for the service's internal rules.
+"""
+
+from __future__ import annotations
+
+
+class StoreError(Exception):
+    """Base class of the job store's internal errors."""
+
+
+class InvalidTransition(StoreError):
+    """A state change that the job's current state does not allow (e.g. completing a queued job)."""
+
+    def __init__(self, job_id: str, wanted: str, state: str | None) -> None:
+        self.job_id = job_id
+        self.wanted = wanted
+        self.state = state
+        super().__init__(f"job {job_id}: cannot {wanted} from state {state!r}")
+
+
+class LeaseLost(StoreError):
+    """The worker no longer owns the running job (its lease was taken back by the reconciler)."""
+
+    def __init__(self, job_id: str, worker_id: str) -> None:
+        self.job_id = job_id
+        self.worker_id = worker_id
+        super().__init__(f"job {job_id} is no longer running under worker {worker_id}")
+
+
+class IdempotencyKeyTaken(StoreError):
+    """Another job already holds this Idempotency-Key (look it up with find_by_idempotency_key)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(f"idempotency key {key!r} already names a job")

@@ -1,0 +1,47 @@
+"""A job's event log (`job_events`) with cursor pagination (peers.md §4.3).
+
+The autoincrement id is the cursor: `list_events(after_id=last_id)` returns the next page.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from kiln.store import states
+from kiln.store.models import JobEvent, utcnow
+
+MAX_EVENT_PAGE = 1000
+
+
+def append_event(
+    session: Session,
+    job_id: str,
+    kind: str,
+    message: str = "",
+    *,
+    level: str = states.LEVEL_INFO,
+    data: dict[str, Any] | None = None,
+) -> JobEvent:
+    """Add one event to a job's log; the returned event has its id (the cursor) assigned."""
+    if level not in states.EVENT_LEVELS:
+        raise ValueError(f"event level must be one of {states.EVENT_LEVELS}, got {level!r}")
+    event = JobEvent(job_id=job_id, kind=kind, level=level, message=message, data=data, created_at=utcnow())
+    session.add(event)
+    session.flush()
+    return event
+
+
+def list_events(
+    session: Session, job_id: str, after_id: int | None = None, limit: int = 100
+) -> tuple[list[JobEvent], bool]:
+    """Up to `limit` events of a job with id > `after_id`, oldest first, and whether more follow."""
+    if not 1 <= limit <= MAX_EVENT_PAGE:
+        raise ValueError(f"limit must be in 1..={MAX_EVENT_PAGE}, got {limit}")
+    query = select(JobEvent).where(JobEvent.job_id == job_id)
+    if after_id is not None:
+        query = query.where(JobEvent.id > after_id)
+    rows = list(session.scalars(query.order_by(JobEvent.id).limit(limit + 1)))
+    return rows[:limit], len(rows) > limit

@@ -1,0 +1,131 @@
+"""What the reconciler asks of the store (DESIGN.md §1, peers.md §3.4).
+
+Two kinds of stray jobs: committed but never published (the api died between commit and
+publish), and running with an expired lease (the worker died). The first are republished;
+the second are put back in the queue to resume from their latest exact checkpoint, or failed
+with `worker_lost`. Every transition is guarded on the state the reconciler saw, so a worker
+that renews its lease at the last moment keeps its job.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import delete, false, select, update
+from sqlalchemy.orm import Session
+
+from kiln.store import states
+from kiln.store.admission import next_queue_seq
+from kiln.store.artifacts import get_checkpoint
+from kiln.store.errors import InvalidTransition
+from kiln.store.events import append_event
+from kiln.store.jobs import get_job
+from kiln.store.models import Job, TrainingStep, utcnow
+
+
+def unpublished_jobs(session: Session, older_than: datetime) -> list[Job]:
+    """Queued jobs whose message never went out and that were admitted before `older_than`
+    (the margin keeps the reconciler from racing the api's own publish)."""
+    query = select(Job).where(
+        Job.state == states.QUEUED,
+        Job.published_at.is_(None),
+        Job.deleted_at.is_(None),
+        Job.submitted_at < older_than,
+    )
+    return list(session.scalars(query.order_by(Job.queue_seq)))
+
+
+def expired_leases(session: Session, now: datetime | None = None) -> list[Job]:
+    """Running jobs whose worker stopped renewing its lease before `now`."""
+    query = select(Job).where(Job.state == states.RUNNING, Job.lease_expires_at < (now or utcnow()))
+    return list(session.scalars(query.order_by(Job.queue_seq)))
+
+
+def requeue_for_resume(session: Session, job_id: str, checkpoint: str, now: datetime | None = None) -> Job:
+    """Put a job whose lease expired back in the queue, to resume from `checkpoint` (a basename
+    from the job's `checkpoints` rows). Steps recorded after that checkpoint are dropped (the
+    resumed run records them again); the job gets a new place at the back of the queue and is
+    unpublished until the reconciler republishes it. A job with a cancel request is not
+    resumed (fail it with `fail_worker_lost`)."""
+    now = now or utcnow()
+    row = get_checkpoint(session, job_id, checkpoint)
+    if row is None:
+        raise ValueError(f"job {job_id}: no recorded checkpoint {checkpoint!r}")
+    result = session.execute(
+        update(Job)
+        .where(
+            Job.id == job_id,
+            Job.state == states.RUNNING,
+            Job.lease_expires_at < now,
+            Job.cancel_requested == false(),
+        )
+        .values(
+            state=states.QUEUED,
+            worker_id=None,
+            lease_expires_at=None,
+            heartbeat_at=None,
+            published_at=None,
+            resume_checkpoint=checkpoint,
+            latest_checkpoint=checkpoint,
+            global_step=row.global_step,
+            current_epoch=row.epoch_index,
+            queue_seq=next_queue_seq(session),
+        )
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:
+        current = get_job(session, job_id, include_deleted=True)
+        raise InvalidTransition(job_id, "requeue an expired lease", current.state if current else None)
+    session.execute(
+        delete(TrainingStep)
+        .where(TrainingStep.job_id == job_id, TrainingStep.global_step > row.global_step)
+        .execution_options(synchronize_session=False)
+    )
+    job = get_job(session, job_id, include_deleted=True)
+    assert job is not None
+    append_event(
+        session,
+        job_id,
+        states.EVENT_REQUEUED,
+        f"worker lost; resuming from {checkpoint} at step {row.global_step}",
+        level=states.LEVEL_WARNING,
+        data={"checkpoint": checkpoint, "global_step": row.global_step, "attempts": job.attempts},
+    )
+    return job
+
+
+def fail_worker_lost(session: Session, job_id: str, now: datetime | None = None) -> Job:
+    """Fail a job whose lease expired: `failure_reason = worker_lost`, or `cancelled` when a
+    cancel had been requested (the run was going to end cancelled anyway)."""
+    now = now or utcnow()
+    job = get_job(session, job_id, include_deleted=True)
+    if job is None:
+        raise InvalidTransition(job_id, "fail an expired lease", None)
+    reason = states.REASON_CANCELLED if job.cancel_requested else states.REASON_WORKER_LOST
+    message = f"worker {job.worker_id} stopped renewing its lease (expired {job.lease_expires_at})"
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.state == states.RUNNING, Job.lease_expires_at < now)
+        .values(
+            state=states.FAILED,
+            failure_reason=reason,
+            error_message=message,
+            finished_at=now,
+            lease_expires_at=None,
+        )
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:
+        current = get_job(session, job_id, include_deleted=True)
+        raise InvalidTransition(job_id, "fail an expired lease", current.state if current else None)
+    append_event(
+        session,
+        job_id,
+        states.EVENT_WORKER_LOST,
+        message,
+        level=states.LEVEL_ERROR,
+        data={"failure_reason": reason, "worker_id": job.worker_id},
+    )
+    failed = get_job(session, job_id, include_deleted=True)
+    assert failed is not None
+    return failed
