@@ -120,9 +120,11 @@ def admit(session: Session, **job_overrides: Any) -> Job:
     return insert_admitted_job(session, job_fields(**job_overrides), admission_fields())
 
 
-def run_steps(session: Session, job: Job, worker_id: str, losses: list[float], **step: Any) -> None:
-    """Record one step per loss (global steps 1..n) for a job the worker holds."""
-    for index, loss in enumerate(losses, start=1):
+def run_steps(
+    session: Session, job: Job, worker_id: str, losses: list[float], start: int = 1, **step: Any
+) -> None:
+    """Record one step per loss (global steps start, start+1, ...) for a job the worker holds."""
+    for index, loss in enumerate(losses, start=start):
         record_step(
             session,
             job.id,
