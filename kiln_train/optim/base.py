@@ -120,10 +120,16 @@ class Optimizer:
                     f"gradient for leaf {name!r} does not match the leaf: gradient has {_describe(grad)}, "
                     f"leaf has {_describe(param)}"
                 )
-        names = list(self.params)
-        finite = torch.stack([torch.isfinite(grads[n]).all().to("cpu") for n in names])
-        if not bool(finite.all()):
-            name = names[int((~finite).nonzero()[0])]
+        # One reduction per leaf, stacked on the device, read back once per device (one sync).
+        by_device: dict[torch.device, list[str]] = {}
+        for name in self.params:
+            by_device.setdefault(grads[name].device, []).append(name)
+        bad: list[str] = []
+        for names in by_device.values():
+            finite = torch.stack([torch.isfinite(grads[n]).all() for n in names]).cpu()
+            bad += [n for n, ok in zip(names, finite.tolist(), strict=True) if not ok]
+        if bad:
+            name = next(n for n in self.params if n in bad)
             grad = grads[name]
             nan = int(torch.isnan(grad).sum())
             inf = int(torch.isinf(grad).sum())
