@@ -74,11 +74,9 @@ def _check_progress(m: CheckpointManifest) -> None:
                 f"progress.data_order: not a permutation of 0..{item_count - 1} (entries must be unique and "
                 f"< data.item_count)"
             )
-    if not m.optimizer.step == m.scheduler.step == p.global_step:
-        raise CheckpointError(
-            f"optimizer.step: optimizer.step {m.optimizer.step}, scheduler.step {m.scheduler.step} and "
-            f"progress.global_step {p.global_step} must be equal"
-        )
+    for name, step in (("optimizer.step", m.optimizer.step), ("scheduler.step", m.scheduler.step)):
+        if step != p.global_step:
+            raise CheckpointError(f"{name}: {step} differs from progress.global_step {p.global_step}")
 
 
 def _check_files(m: CheckpointManifest) -> None:
