@@ -60,6 +60,7 @@ from kiln.store.models import (
     JobEvent,
     Runner,
     TrainingStep,
+    UtcDateTime,
     utcnow,
 )
 from kiln.store.queue import count_queued, count_tracked, list_queued, queue_position, queue_positions
@@ -81,6 +82,7 @@ __all__ = [
     "Runner",
     "StoreError",
     "TrainingStep",
+    "UtcDateTime",
     "append_event",
     "claim_job",
     "count_queued",
