@@ -30,6 +30,7 @@ from kiln_train.checkpoint.manifest import (
     check_identifier,
     checkpoint_id_for,
 )
+from kiln_train.provenance import shard_aggregate, verify_provenance_digest
 from kiln_train.sft_config import SftConfig, describe_validation_error
 
 
@@ -213,11 +214,26 @@ def _check_sft_resumable(m: CheckpointManifest) -> None:
             f"auxiliary_state.base_model_weights_sha256: {aux['base_model_weights_sha256']!r} differs from "
             f"base_weight_shard_manifest.aggregate_sha256 {shards['aggregate_sha256']!r}"
         )
+    try:
+        recomputed = shard_aggregate(shards["shards"])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise CheckpointError(
+            "auxiliary_state.base_weight_shard_manifest.shards: must list {filename, size_bytes, sha256} records"
+        ) from None
+    if recomputed != shards["aggregate_sha256"]:
+        raise CheckpointError(
+            f"auxiliary_state.base_weight_shard_manifest.aggregate_sha256: {shards['aggregate_sha256']!r} is not "
+            f"the kiln.base-model-content.v1 aggregate of its shards {recomputed!r}"
+        )
     provenance = aux["execution_provenance"]
     if not isinstance(provenance, dict) or not _non_empty_str(provenance.get("provenance_sha256")):
         raise CheckpointError(
             "auxiliary_state.execution_provenance: must be a full execution-provenance object with "
             "provenance_sha256"
+        )
+    if not verify_provenance_digest(provenance):
+        raise CheckpointError(
+            "auxiliary_state.execution_provenance.provenance_sha256: does not cover the recorded provenance"
         )
     if aux["training_precision_policy"] != m.precision_policy.model_dump(mode="json"):
         raise CheckpointError("auxiliary_state.training_precision_policy: differs from precision_policy")

@@ -5,6 +5,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -312,6 +315,18 @@ RULE_CASES = {
         _set("auxiliary_state.training_precision_policy", {"parameter_dtype": "bf16"}),
         "auxiliary_state.training_precision_policy: differs from precision_policy",
     ),
+    "aux shard record tampered": (
+        _set("auxiliary_state.base_weight_shard_manifest.shards.1.size_bytes", 513),
+        "base_weight_shard_manifest.aggregate_sha256: 'sha256:",
+    ),
+    "aux shard records malformed": (
+        _set("auxiliary_state.base_weight_shard_manifest.shards", [{"filename": "x"}]),
+        "base_weight_shard_manifest.shards: must list",
+    ),
+    "aux provenance tampered": (
+        _set("auxiliary_state.execution_provenance.backend.name", "cuda"),
+        "execution_provenance.provenance_sha256: does not cover the recorded provenance",
+    ),
     "aux empty digest": (
         _set("auxiliary_state.valid_indices_sha256", ""),
         "auxiliary_state.valid_indices_sha256",
@@ -367,3 +382,9 @@ def test_strict_json(text):
 def test_oversized_manifest_bytes():
     with pytest.raises(CheckpointError, match="exceeds the 16777216 byte limit"):
         parse_manifest_bytes(b" " * (MAX_MANIFEST_BYTES + 1))
+
+
+def test_the_package_does_not_import_torch():
+    # The api reads checkpoints for status and admission and must stay torch-free.
+    code = "import sys, kiln_train.checkpoint; sys.exit(1 if 'torch' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2]).returncode == 0

@@ -156,7 +156,7 @@ def test_drift_in_each_bound_part(loaded):
         ),
         (
             expectation(auxiliary_state=auxiliary_state(base_model_weights_sha256="c" * 64)),
-            'auxiliary_state.base_model_weights_sha256: checkpoint "5c13',
+            'auxiliary_state.base_model_weights_sha256: checkpoint "sha256:0c75b469',
         ),
         (
             expectation(
@@ -195,7 +195,7 @@ def test_drift_in_each_bound_part(loaded):
                     }
                 )
             ),
-            "auxiliary_state.base_weight_shard_manifest.shards length: checkpoint 1, request 0",
+            "auxiliary_state.base_weight_shard_manifest.shards length: checkpoint 2, request 0",
         ),
     ]
     for expected, message in cases:

@@ -27,6 +27,7 @@ from kiln_train.checkpoint import (
     publish_checkpoint,
     sft_manifest_draft,
 )
+from kiln_train.provenance import json_sha256, shard_aggregate
 from kiln_train.sft_config import SftConfig, parse_sft_config
 
 ADAPTER = "support-bot"
@@ -53,7 +54,17 @@ def precision_policy(optimizer: str = "adam_w") -> dict:
 
 
 def auxiliary_state(optimizer: str = "adam_w", **overrides: Any) -> dict:
-    aggregate = hashlib.sha256(b"shards").hexdigest()
+    shards = [
+        {"filename": "model-00001-of-00002.safetensors", "size_bytes": 1024, "sha256": _hex("shard 1")},
+        {"filename": "model-00002-of-00002.safetensors", "size_bytes": 512, "sha256": _hex("shard 2")},
+    ]
+    aggregate = shard_aggregate(shards)
+    provenance = {
+        "schema_version": 1,
+        "provenance_type": "kiln.execution-provenance.v1",
+        "backend": {"name": "cpu"},
+    }
+    provenance["provenance_sha256"] = json_sha256(provenance)
     aux = {
         "loop_state_type": SFT_LOOP_STATE_TYPE,
         "model_config_sha256": _hex("config.json"),
@@ -66,10 +77,10 @@ def auxiliary_state(optimizer: str = "adam_w", **overrides: Any) -> dict:
             "manifest_type": "kiln.base-weight-shards.v1",
             "aggregate_algorithm": "kiln.base-model-content.v1",
             "aggregate_sha256": aggregate,
-            "total_size_bytes": 1024,
-            "shards": [{"filename": "model.safetensors", "size_bytes": 1024, "sha256": _hex("shard")[7:]}],
+            "total_size_bytes": 1536,
+            "shards": shards,
         },
-        "execution_provenance": {"schema_version": 1, "provenance_sha256": _hex("provenance")},
+        "execution_provenance": provenance,
         "backend_runtime": {"name": "cpu", "device": "cpu"},
         "kiln_train_version": "0.1.0",
         "gradient_checkpoint_plan_sha256": _hex("plan"),
