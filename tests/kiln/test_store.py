@@ -146,6 +146,52 @@ def test_idempotency_key_is_unique_and_the_transaction_survives(factory):
         assert count_tracked(session) == 2
 
 
+def _race(threads: int, target) -> list[BaseException]:
+    barrier = threading.Barrier(threads)
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
+        try:
+            barrier.wait()
+            target(index)
+        except BaseException as error:  # surfaced by the caller
+            errors.append(error)
+
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+    return errors
+
+
+def test_concurrent_admissions_with_one_key_admit_one_job(factory):
+    admitted: list[str] = []
+
+    def submit(_index: int) -> None:
+        with factory.begin() as session:
+            admitted.append(admit(session, idempotency_key="same-key").id)
+
+    errors = _race(6, submit)
+    assert len(admitted) == 1
+    assert len(errors) == 5 and all(isinstance(e, IdempotencyKeyTaken) for e in errors), errors
+    with factory() as session:
+        assert count_tracked(session) == 1
+        assert find_by_idempotency_key(session, "same-key").id == admitted[0]
+
+
+def test_concurrent_admissions_get_distinct_queue_positions(factory):
+    def submit(_index: int) -> None:
+        with factory.begin() as session:
+            admit(session)
+
+    assert _race(10, submit) == []
+    with factory() as session:
+        queued = list_queued(session)
+        assert len(queued) == 10 and len({j.queue_seq for j in queued}) == 10
+        assert sorted(queue_positions(session).values()) == list(range(1, 11))
+
+
 def test_jobs_without_idempotency_key_do_not_collide(factory):
     with factory.begin() as session:
         admit(session)
