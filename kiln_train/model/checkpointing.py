@@ -1,0 +1,45 @@
+"""Gradient checkpointing by contiguous layer segments (DESIGN §3, seed 000 "Exact gradient-set boundary").
+
+The layers are cut into `num_segments` contiguous groups, sizes as numpy.array_split gives them
+(the first L mod S groups one layer longer). Each group runs under non-reentrant
+`torch.utils.checkpoint`, so only its input hidden state is kept and the group is recomputed in
+backward. The recomputation repeats the same deterministic kernels, so losses and gradients equal
+the un-checkpointed run. One segment means no checkpointing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def segment_bounds(num_layers: int, num_segments: int) -> list[tuple[int, int]]:
+    """[start, stop) layer ranges of each segment, in order."""
+    if not isinstance(num_segments, int) or not 1 <= num_segments <= num_layers:
+        raise ValueError(f"num_segments must be an integer in 1..={num_layers}, got {num_segments!r}")
+    size, extra = divmod(num_layers, num_segments)
+    bounds, start = [], 0
+    for s in range(num_segments):
+        stop = start + size + (1 if s < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def _run_range(layers: Sequence[nn.Module], h: torch.Tensor, rope) -> torch.Tensor:
+    for layer in layers:
+        h = layer(h, rope)
+    return h
+
+
+def run_layers(layers: Sequence[nn.Module], h: torch.Tensor, rope, num_segments: int = 1) -> torch.Tensor:
+    """Run every layer on h; with num_segments > 1 and autograd on, checkpoint each segment."""
+    bounds = segment_bounds(len(layers), num_segments)
+    if num_segments == 1 or not torch.is_grad_enabled():
+        return _run_range(layers, h, rope)
+    for start, stop in bounds:
+        h = checkpoint(_run_range, layers[start:stop], h, rope, use_reentrant=False)
+    return h
