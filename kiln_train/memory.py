@@ -1,0 +1,596 @@
+"""Memory admission: the SFT working-set estimate, checkpoint-segment planning, the available
+budget and the 413 `training_will_not_fit` message (kiln-contract §7; seed 000 "Admission and
+execution binding").
+
+Torch-free: the api prices a request with nothing but the model's `config.json` numbers.
+
+The estimate is the contract's `Breakdown` computed for THIS implementation (torch autograd over
+`kiln_train.model`, the loss routes of `kiln_train.loss`, the optimizers of `kiln_train.optim`) in
+the resident backend's dtypes (cpu: f32 everywhere; cuda: bf16 weights/activations/LoRA/optimizer
+state with f32 inner math). Every term is an upper bound of bytes that are live at the step's peak
+and says why it exists; `qualification/memory_honesty.py` measures real steps against it.
+
+All size arithmetic saturates toward rejection: Python integers cannot wrap, and any value at or
+above `U64_MAX` is clamped to `U64_MAX`, which never fits.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kiln_train.backend import FULL_LOGITS, KT_TAPE_FLCE, Backend
+from kiln_train.errors import TRAINING_WILL_NOT_FIT, KilnError, invalid_request
+from kiln_train.model_config import FULL_ATTENTION, Qwen35Config
+
+GIB = 1 << 30
+MIB = 1 << 20
+U64_MAX = 2**64 - 1
+
+# Vocabulary chunk of the kt_tape_flce route: at most 4096 columns, shrunk (by halving) while the
+# f32 [A, chunk] score block would exceed the scratch budget, never below 256 columns.
+LOSS_VOCAB_CHUNK_MAX = 4096
+LOSS_VOCAB_CHUNK_MIN = 256
+LOSS_CHUNK_SCRATCH_BYTES = 256 * MIB
+
+OPTIMIZER_STATE_BUFFERS = {"sgd": 0, "muon": 1, "adam_w": 2}
+ESTIMATED_ROUTES = (KT_TAPE_FLCE, FULL_LOGITS)
+
+F32 = 4
+
+
+def saturate(value: int) -> int:
+    """Clamp a non-negative byte count to `U64_MAX` (which means "does not fit")."""
+    if value < 0:
+        raise ValueError(f"byte counts are non-negative, got {value}")
+    return U64_MAX if value >= U64_MAX else value
+
+
+def vocab_chunk_size(vocab_size: int, active_rows: int) -> int:
+    """Columns per vocabulary chunk of `kt_tape_flce` for `active_rows` supervised targets.
+
+    Shared by the loss (which uses it) and the estimator (which charges it), so both agree.
+    """
+    chunk = min(vocab_size, LOSS_VOCAB_CHUNK_MAX)
+    while chunk > LOSS_VOCAB_CHUNK_MIN and active_rows * chunk * F32 > LOSS_CHUNK_SCRATCH_BYTES:
+        chunk //= 2
+    return max(1, min(chunk, vocab_size))
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Bytes of one SFT step's working set (kiln-contract §7.2), plus the inputs that priced it."""
+
+    base_weights: int
+    per_segment_activations: int
+    boundary_states: int
+    loss_workspace: int
+    lora_param_grad: int
+    lora_optimizer_state: int
+    residency_scratch: int
+    safety_margin: int
+    max_seq_len: int
+    max_supervised_tokens: int
+    lora_rank: int
+    num_segments: int
+    loss_route: str
+    optimizer_kind: str
+
+    @property
+    def activations(self) -> int:
+        """Per-segment activations plus retained boundary states (the message's `activations`)."""
+        return saturate(self.per_segment_activations + self.boundary_states)
+
+    @property
+    def total(self) -> int:
+        return saturate(
+            self.base_weights
+            + self.activations
+            + self.loss_workspace
+            + self.lora_param_grad
+            + self.lora_optimizer_state
+            + self.residency_scratch
+            + self.safety_margin
+        )
+
+    def fits(self, available_bytes: int) -> bool:
+        return self.total < U64_MAX and self.total <= available_bytes
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["activations"] = self.activations
+        d["total"] = self.total
+        return d
+
+
+# ----- the estimate --------------------------------------------------------------------------
+#
+# Notation (bytes unless said otherwise): T = max_seq_len, A = max_supervised_tokens, h = hidden,
+# i = intermediate, r = LoRA rank, e = activation element bytes (cpu 4, cuda 2), F = 4 (the f32
+# compute dtype of norms, the delta rule and the loss), V = vocabulary.
+#
+# Per-layer saved activations are what torch autograd keeps for backward in `kiln_train.model`
+# (counted with saved-tensor hooks while writing these formulas; `qualification/memory_honesty.py`
+# checks whole steps). Per token:
+#
+# both layer kinds
+#   2·F·h      the two block RMSNorms save their f32 input
+#   2·e·h      the normed inputs, saved once each by the LoRA branches (x for dA) of the projections
+#   4·e·i      SwiGLU: gate output (silu input), silu output, up output, their product (down's input)
+#   e·r        one [T, r] LoRA intermediate (x·Aᵀ, kept for dB) per trained projection
+# gated full attention (qd = heads·head_dim, kvd = kv_heads·head_dim)
+#   4·qd (+4·qd when e = 4)   q RMSNorm saves the f32 query (for f32 it is a view of the whole
+#                             q_proj output [q | gate], twice as wide)
+#   F·kvd      k RMSNorm saves the f32 key
+#   4·e·qd     SDPA keeps q, the repeated k and v, and its output
+#   3·e·qd     the re-laid-out output, sigmoid(gate), and their product (o_proj's input)
+#   4·(2·heads + kv_heads + 2)  per-row f32 reductions (norm rsqrt, attention log-sum-exp)
+# gated DeltaNet (kd = k_heads·dk, vd = v_heads·dv, conv = 2·kd + vd, nv = v_heads, c = 64)
+#   e·conv     the conv output kept by SiLU
+#   F·conv     q, k, v in f32 (views of the SiLU output on cpu, upcast copies on cuda)
+#   the chunked delta rule, all f32, over T rounded up to a multiple of c:
+#     6·nv·c   decay Γ, K·Kᵀ, A, Q·Kᵀ, (Q·Kᵀ)⊙Γ and one batched-matmul copy
+#     9·nv·dk  repeated q and k, k·β, q·e^γ, k·e^(γ_C−γ) and matmul re-layouts of them
+#     2·nv·dv  the per-chunk corrected values and their stack
+#     2·nv·dk·dv/c   the state entering every chunk, kept by the scan and stacked for the output
+#   (12 + e)·vd  gated output norm: f32 output, f32 gate, silu(gate), the weighted norm
+#   e·vd       out_proj's input
+#   32·nv      per-head gates, betas and reductions
+# plus, per layer and independent of T, the f32 upcast conv kernel, two causal masks and f32 norm
+# weights.
+#
+# The activation dtype is f32 on cpu and bf16 on cuda; GDN on cuda uses flash-linear-attention
+# when importable, which keeps far less than the torch chunked form charged here (an upper bound).
+
+GDN_CHUNK = 64  # kiln_train.model.delta_rule.CHUNK_SIZE (this module must not import torch)
+BACKWARD_WORKSPACE_LAYERS = 1  # backward of one layer allocates at most its own saved size again
+
+
+def _ceil_to(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _common_layer_bytes(config: Qwen35Config, t: int, r: int, e: int) -> int:
+    h, i = config.hidden_size, config.intermediate_size
+    return t * (2 * F32 * h + 2 * e * h + 4 * e * i) + 4 * F32 * h
+
+
+def attention_layer_bytes(config: Qwen35Config, t: int, r: int, e: int) -> int:
+    """Saved activations of one gated full-attention layer for a `t`-token row."""
+    qd = config.num_attention_heads * config.head_dim
+    kvd = config.num_key_value_heads * config.head_dim
+    per_token = (
+        4 * qd
+        + (4 * qd if e == F32 else 0)
+        + F32 * kvd
+        + 4 * e * qd
+        + 3 * e * qd
+        + 7 * e * r
+        + F32 * (2 * config.num_attention_heads + config.num_key_value_heads + 2)
+    )
+    return _common_layer_bytes(config, t, r, e) + t * per_token
+
+
+def gdn_layer_bytes(config: Qwen35Config, t: int, r: int, e: int) -> int:
+    """Saved activations of one Gated DeltaNet layer for a `t`-token row (torch chunked form)."""
+    nv, nk = config.linear_num_value_heads, config.linear_num_key_heads
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    vd, conv, c = config.linear_value_dim, config.linear_conv_dim, GDN_CHUNK
+    padded = _ceil_to(t, c)
+    delta_rule = F32 * (6 * nv * c + 9 * nv * dk + 2 * nv * dv) * padded + F32 * 2 * nv * dk * dv * (
+        padded // c
+    )
+    per_token = e * conv + F32 * conv + (12 + e) * vd + e * vd + 6 * e * r + 32 * nv + 8 * nk
+    constant = F32 * conv * config.linear_conv_kernel_dim + 2 * c * c + F32 * (dv + 4 * dk)
+    return _common_layer_bytes(config, t, r, e) + t * per_token + delta_rule + constant
+
+
+def layer_activation_bytes(config: Qwen35Config, t: int, r: int, e: int) -> list[int]:
+    """Saved activation bytes of every layer, in layer order."""
+    return [
+        attention_layer_bytes(config, t, r, e) if kind == FULL_ATTENTION else gdn_layer_bytes(config, t, r, e)
+        for kind in config.layer_types
+    ]
+
+
+def segment_activation_bytes(config: Qwen35Config, t: int, r: int, e: int, num_segments: int) -> int:
+    """Activations live while the largest segment runs backward.
+
+    The longest segment holds ceil(L/s) layers; charging the ceil(L/s) most expensive layers bounds
+    it whatever the exact cut. While one layer runs backward its gradient temporaries add at most
+    its own saved size again (`BACKWARD_WORKSPACE_LAYERS`).
+    """
+    per_layer = sorted(layer_activation_bytes(config, t, r, e), reverse=True)
+    layers = -(-config.num_hidden_layers // num_segments)
+    return sum(per_layer[:layers]) + BACKWARD_WORKSPACE_LAYERS * per_layer[0]
+
+
+def boundary_bytes(config: Qwen35Config, t: int, e: int, num_segments: int) -> int:
+    """Hidden states retained across the whole step.
+
+    (s+1)·T·h·e: the input of every checkpointed segment plus the trunk output (with one segment:
+    the embedding output and the trunk output); the final RMSNorm's f32 input and its output
+    (the hidden states the loss reads); the rope tables.
+    """
+    h = config.hidden_size
+    return t * ((num_segments + 1) * h * e + F32 * h + h * e + 2 * config.rotary_dim * e)
+
+
+def loss_workspace_bytes(config: Qwen35Config, route: str, t: int, a: int, e: int) -> int:
+    """Peak bytes of the loss route on top of the retained activations (kiln-contract §7.3, ours).
+
+    kt_tape_flce (`kiln_train.loss.ChunkedLinearCrossEntropy`): the gathered rows [A, h] (e), an
+    f32 upcast of them when e < 4, the f32 target head rows and their product with the rows, the
+    f32 gradient accumulator [A, h], the f32 [chunk, h] head slice when e < 4, the f32 [A, chunk]
+    scores with one reduction temporary, per-row statistics, and in backward the [T, h] scatter
+    of the row gradient.
+    full_logits: dense [T, V] logits (e), their f32 copy when e < 4, the saved f32 log-softmax,
+    then in backward three f32 [T, V] gradients (nll, log-softmax, the un-sliced logits) and the
+    cast back to e; and the [T, h] hidden gradient.
+    """
+    h, v = config.hidden_size, config.vocab_size
+    if route == KT_TAPE_FLCE:
+        chunk = vocab_chunk_size(v, a)
+        low = e < F32
+        return (
+            e * a * h
+            + (F32 * a * h if low else 0)
+            + (e * a * h if low else 0)
+            + 3 * F32 * a * h
+            + (F32 * chunk * h if low else 0)
+            + 2 * F32 * a * chunk
+            + 16 * F32 * a
+            + e * t * h
+        )
+    if route == FULL_LOGITS:
+        low = e < F32
+        return (
+            e * t * v + (F32 * t * v if low else 0) + 3 * F32 * t * v + (e * t * v if low else 0) + e * t * h
+        )
+    raise invalid_request(f"no memory estimate for SFT loss route {route!r}; known: {list(ESTIMATED_ROUTES)}")
+
+
+def _dtype_bytes(name: str) -> int:
+    return 4 if name == "f32" else 2
+
+
+def estimate(
+    config: Qwen35Config,
+    *,
+    max_seq_len: int,
+    max_supervised_tokens: int,
+    lora_rank: int,
+    optimizer_kind: str,
+    num_segments: int,
+    loss_route: str,
+    backend: Backend,
+    weights_resident: bool,
+) -> Breakdown:
+    """The working set of one SFT step (kiln-contract §7.2) for this implementation.
+
+    `weights_resident=True` when the budget was measured with the model already loaded (the
+    worker's CUDA free memory), so base weights are not charged again.
+    """
+    for name, value in (
+        ("max_seq_len", max_seq_len),
+        ("max_supervised_tokens", max_supervised_tokens),
+        ("lora_rank", lora_rank),
+        ("num_segments", num_segments),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if optimizer_kind not in OPTIMIZER_STATE_BUFFERS:
+        raise ValueError(f"unknown optimizer kind {optimizer_kind!r}")
+    if num_segments > config.num_hidden_layers:
+        raise ValueError(f"num_segments {num_segments} exceeds {config.num_hidden_layers} layers")
+    t, a, r, s = max_seq_len, max_supervised_tokens, lora_rank, num_segments
+    e = _dtype_bytes(backend.activation_dtype)
+    lora_e = _dtype_bytes(backend.lora_dtype)
+    state_e = _dtype_bytes(backend.optimizer_state_dtype)
+    lora_elements = config.lora_elements_per_rank() * r
+    largest_leaf = config.max_feature_dim() * r
+
+    weights = (
+        0 if weights_resident else config.base_parameter_count() * _dtype_bytes(backend.base_weight_dtype)
+    )
+    activations = saturate(segment_activation_bytes(config, t, r, e, s))
+    boundaries = saturate(boundary_bytes(config, t, e, s))
+    loss = saturate(loss_workspace_bytes(config, loss_route, t, a, e))
+    # The trainable leaves and their .grad, in the LoRA dtype.
+    param_grad = saturate(2 * lora_elements * lora_e)
+    # AdamW m and v, Muon momentum, SGD nothing; resident in the optimizer-state dtype.
+    optimizer_state = saturate(OPTIMIZER_STATE_BUFFERS[optimizer_kind] * lora_elements * state_e)
+    # The optimizer's f32 temporaries for the largest leaf (upcasts, Newton-Schulz iterates,
+    # AdamW's denominator) plus one byte per gradient element for the finite check.
+    scratch = saturate(8 * F32 * largest_leaf + lora_elements)
+    working = saturate(weights + activations + boundaries + loss + param_grad + optimizer_state + scratch)
+    # Allocator rounding and fragmentation: 1/16 of the working set. The fixed reserve beside it
+    # is the budget's `[memory].reserve_gb`.
+    margin = saturate(-(-working // 16))
+    return Breakdown(
+        base_weights=saturate(weights),
+        per_segment_activations=activations,
+        boundary_states=boundaries,
+        loss_workspace=loss,
+        lora_param_grad=param_grad,
+        lora_optimizer_state=optimizer_state,
+        residency_scratch=scratch,
+        safety_margin=margin,
+        max_seq_len=t,
+        max_supervised_tokens=a,
+        lora_rank=r,
+        num_segments=s,
+        loss_route=loss_route,
+        optimizer_kind=optimizer_kind,
+    )
+
+
+# ----- planning ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    """The admitted checkpoint plan: how many segments, and the breakdown that fits."""
+
+    num_segments: int
+    breakdown: Breakdown
+    available_bytes: int
+
+
+def candidate_segments(config: Qwen35Config, loss_route: str) -> range:
+    """Segment counts automatic planning may try: 1 for `full_logits`, else 1..=num_layers."""
+    return range(1, 2) if loss_route == FULL_LOGITS else range(1, config.num_hidden_layers + 1)
+
+
+def check_segment_request(config: Qwen35Config, loss_route: str, requested: int | None) -> None:
+    """Reject an explicit segment count the route or the model cannot honour (400)."""
+    if requested is None:
+        return
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+        raise invalid_request(
+            f"config.grad_checkpoint_segments must be a positive integer, got {requested!r}"
+        )
+    if loss_route == FULL_LOGITS and requested > 1:
+        raise invalid_request(
+            f"config.grad_checkpoint_segments={requested} is not allowed on the full_logits loss route: "
+            "checkpoint tails run outside the active tape, so full_logits is a one-segment plan"
+        )
+    if requested > config.num_hidden_layers:
+        raise invalid_request(
+            f"config.grad_checkpoint_segments={requested} exceeds the model's "
+            f"{config.num_hidden_layers} layers"
+        )
+
+
+def plan_segments(
+    config: Qwen35Config,
+    *,
+    max_seq_len: int,
+    max_supervised_tokens: int,
+    lora_rank: int,
+    optimizer_kind: str,
+    loss_route: str,
+    backend: Backend,
+    weights_resident: bool,
+    available_bytes: int,
+    requested_segments: int | None = None,
+) -> SegmentPlan:
+    """Admit the first plan whose complete bound fits, or raise 400/413 (kiln-contract §7.4).
+
+    An explicit `requested_segments` is honoured as is (413 when it does not fit); otherwise
+    1 segment is tried, then 2..=num_layers (never more than 1 for `full_logits`).
+    """
+    check_segment_request(config, loss_route, requested_segments)
+    counts = (
+        [requested_segments]
+        if requested_segments is not None
+        else list(candidate_segments(config, loss_route))
+    )
+    common = {
+        "max_seq_len": max_seq_len,
+        "max_supervised_tokens": max_supervised_tokens,
+        "lora_rank": lora_rank,
+        "optimizer_kind": optimizer_kind,
+        "loss_route": loss_route,
+        "backend": backend,
+        "weights_resident": weights_resident,
+    }
+    breakdown = None
+    for s in counts:
+        breakdown = estimate(config, num_segments=s, **common)
+        if breakdown.fits(available_bytes):
+            return SegmentPlan(s, breakdown, available_bytes)
+    ceiling = max_rank_that_fits(
+        config,
+        available_bytes=available_bytes,
+        requested_segments=requested_segments,
+        **{k: v for k, v in common.items() if k != "lora_rank"},
+    )
+    raise will_not_fit(breakdown, available_bytes, rank_ceiling=ceiling, tried=counts)
+
+
+def max_rank_that_fits(
+    config: Qwen35Config,
+    *,
+    max_seq_len: int,
+    max_supervised_tokens: int,
+    optimizer_kind: str,
+    loss_route: str,
+    backend: Backend,
+    weights_resident: bool,
+    available_bytes: int,
+    requested_segments: int | None = None,
+) -> int:
+    """The largest LoRA rank that fits: min(model ceiling, resource ceiling); 0 when none does.
+
+    The resource ceiling searches the same segment plans admission would try; the estimate grows
+    with rank, so a bisection over 1..=model ceiling finds it.
+    """
+    counts = (
+        [requested_segments]
+        if requested_segments is not None
+        else list(candidate_segments(config, loss_route))
+    )
+
+    def fits(rank: int) -> bool:
+        return any(
+            estimate(
+                config,
+                max_seq_len=max_seq_len,
+                max_supervised_tokens=max_supervised_tokens,
+                lora_rank=rank,
+                optimizer_kind=optimizer_kind,
+                num_segments=s,
+                loss_route=loss_route,
+                backend=backend,
+                weights_resident=weights_resident,
+            ).fits(available_bytes)
+            for s in counts
+        )
+
+    low, high = 0, config.model_maximum_rank()
+    while low < high:  # invariant: every rank <= low fits (rank 0 trivially)
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+# ----- the available budget ------------------------------------------------------------------
+
+
+def available_budget(
+    backend: Backend,
+    *,
+    total_bytes: int,
+    free_bytes: int,
+    reserve_gb: float,
+    training_memory_gb: float | None = None,
+) -> int:
+    """Bytes a training step may use on the resident device (kiln-contract §7.4, `[memory]`).
+
+    `free_bytes` is what the device reports with the model already resident (CUDA
+    `torch.cuda.mem_get_info()[0]` in the worker; CPU `cpu_available_bytes()`), bounded by
+    `total_bytes`. `[memory].reserve_gb` stays free beside the estimate (the contract's fixed
+    1 GiB safety margin, configurable here), and `[memory].training_memory_gb` caps the result.
+    The formula is the same for both backends; `backend` names whose numbers these are.
+    """
+    if backend.name not in ("cpu", "cuda"):
+        raise ValueError(f"no budget rule for backend {backend.name!r}")
+    if total_bytes < 0 or free_bytes < 0 or reserve_gb < 0:
+        raise ValueError("memory figures must be non-negative")
+    available = min(free_bytes, total_bytes) - math.ceil(reserve_gb * GIB)
+    if training_memory_gb is not None:
+        available = min(available, math.floor(training_memory_gb * GIB))
+    return max(0, available)
+
+
+def cpu_available_bytes(meminfo: str | Path = "/proc/meminfo", cgroup: str | Path = "/sys/fs/cgroup") -> int:
+    """Host memory a new allocation can get: `MemAvailable`, bounded by a cgroup v2 limit if set."""
+    available = None
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+                break
+    except OSError:
+        pass
+    if available is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        limit = Path(cgroup, "memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path(cgroup, "memory.current").read_text().strip())
+            available = min(available, max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+# ----- the 413 ------------------------------------------------------------------------------
+
+
+def _gb(n: int) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def will_not_fit_message(
+    breakdown: Breakdown, available_bytes: int, *, rank_ceiling: int, tried: list[int] | None = None
+) -> str:
+    """The one-line `training_will_not_fit` message of kiln-contract §7.5 plus the advice."""
+    b = breakdown
+    head = (
+        f"Estimated training step working set is {_gb(b.total)} GB but only {_gb(available_bytes)} GB "
+        f"is available. Breakdown: weights {_gb(b.base_weights)} GB, activations {_gb(b.activations)} GB "
+        f"(max_seq_len={b.max_seq_len}, num_segments={b.num_segments}), loss workspace "
+        f"{_gb(b.loss_workspace)} GB (route={b.loss_route}), LoRA params+grads {_gb(b.lora_param_grad)} GB, "
+        f"optimizer state {_gb(b.lora_optimizer_state)} GB, residency scratch {_gb(b.residency_scratch)} GB "
+        f"(lora_rank={b.lora_rank})."
+    )
+    return f"{head} {advice(b, rank_ceiling=rank_ceiling, tried=tried)}"
+
+
+def dominant_component(breakdown: Breakdown) -> str:
+    """Which part of the request the estimate mostly pays for: weights, sequence, loss or rank."""
+    b = breakdown
+    parts = {
+        "weights": b.base_weights,
+        "sequence": b.activations,
+        "loss": b.loss_workspace,
+        "rank": saturate(b.lora_param_grad + b.lora_optimizer_state + b.residency_scratch),
+    }
+    return max(parts, key=lambda k: parts[k])
+
+
+def advice(breakdown: Breakdown, *, rank_ceiling: int, tried: list[int] | None = None) -> str:
+    b = breakdown
+    cause = dominant_component(b)
+    if cause == "rank":
+        rank_part = saturate(b.lora_param_grad + b.lora_optimizer_state + b.residency_scratch)
+        first = (
+            f"LoRA rank dominates: lora_rank={b.lora_rank} needs {_gb(rank_part)} GB for LoRA params, "
+            f"gradients, {b.optimizer_kind} state and scratch; shrink lora_rank."
+        )
+    elif cause == "sequence":
+        first = (
+            f"Sequence length dominates: activations for max_seq_len={b.max_seq_len} need "
+            f"{_gb(b.activations)} GB even at num_segments={b.num_segments}; send shorter examples."
+        )
+    elif cause == "loss":
+        first = (
+            f"The loss workspace dominates: route={b.loss_route} needs {_gb(b.loss_workspace)} GB for "
+            f"max_seq_len={b.max_seq_len} with {b.max_supervised_tokens} supervised tokens; send shorter "
+            "examples or fewer supervised tokens."
+        )
+    else:
+        first = (
+            f"General capacity: the base weights alone need {_gb(b.base_weights)} GB; free device memory "
+            "or raise [memory].training_memory_gb."
+        )
+    if tried and len(tried) > 1:
+        checkpointing = (
+            f"Dynamic gradient checkpointing was already tried (num_segments {tried[0]}..={tried[-1]})."
+        )
+    elif b.loss_route == FULL_LOGITS:
+        checkpointing = "The full_logits loss route allows a single checkpoint segment only."
+    else:
+        checkpointing = f"The requested grad_checkpoint_segments={b.num_segments} was honoured as given."
+    if rank_ceiling > 0:
+        ceiling = f"The largest lora_rank that fits this request is {rank_ceiling}."
+    else:
+        ceiling = "No lora_rank fits this request; send shorter examples or free memory."
+    return f"{first} {checkpointing} {ceiling}"
+
+
+def will_not_fit(
+    breakdown: Breakdown, available_bytes: int, *, rank_ceiling: int, tried: list[int] | None = None
+) -> KilnError:
+    """The 413 error: code `training_will_not_fit`, message per kiln-contract §7.5."""
+    return KilnError(
+        TRAINING_WILL_NOT_FIT,
+        will_not_fit_message(breakdown, available_bytes, rank_ceiling=rank_ceiling, tried=tried),
+    )
