@@ -18,7 +18,7 @@ non-text content, fewer than 2 tokens, or no supervised token at a position >= 1
 
 Policies: `fail` (the first rejected row rejects the submission: `training_invalid_request`,
 "SFT row <n> (<row_sha256>) rejected as <reason>: <detail>") and `skip` (rejected rows are
-recorded and logged; at least one row must remain).
+recorded and logged; at least one row must remain). The receipt lives in `ingestion_receipt`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from kiln_train.chat_template import (
@@ -39,7 +39,6 @@ from kiln_train.chat_template import (
 )
 from kiln_train.conversation import (
     INVALID_JSON,
-    REJECTION_REASONS,
     TOKENIZATION_ERROR,
     RowRejection,
     RowSchemaError,
@@ -47,13 +46,19 @@ from kiln_train.conversation import (
     parse_example,
     prepare_for_template,
 )
-from kiln_train.errors import KilnError, invalid_request
-from kiln_train.labels import build_labels, token_ranges
+from kiln_train.errors import invalid_request
+from kiln_train.ingestion_receipt import (
+    INGESTION_SCHEMA,
+    POLICIES,
+    SOURCES,
+    build_ingestion_receipt,
+    validate_ingestion_receipt,
+)
+from kiln_train.labels import MASK_CONTRACT, build_labels, token_ranges
 from kiln_train.row_identity import (
     PARSED_ROW_DOMAIN,
     canonical_json,
     domain_digest,
-    is_digest,
     kept_corpus_sha256,
     parsed_row_sha256,
     raw_row_sha256,
@@ -61,29 +66,17 @@ from kiln_train.row_identity import (
 
 log = logging.getLogger(__name__)
 
-INGESTION_SCHEMA = "kiln.sft-ingestion.v1"
-SOURCES = ("inline", "dataset_path", "named_dataset", "corrections", "recipe", "rust_api")
-POLICIES = ("fail", "skip")
-RECEIPT_FIELDS = (
-    "schema",
-    "source",
-    "source_locator",
-    "invalid_row_policy",
-    "rows_read",
-    "rows_kept",
-    "rows_rejected",
-    "kept_row_hashes",
-    "rejected_rows",
-    "kept_corpus_sha256",
-)
-REJECTED_ROW_FIELDS = ("row_index", "row_sha256", "reason")
 ASCII_WHITESPACE = b" \t\n\x0c\r"  # Rust's u8::is_ascii_whitespace
 CHUNK_ROWS = 256  # rows rendered, then tokenized together with encode_batch
 
 __all__ = [
+    "INGESTION_SCHEMA",
+    "MASK_CONTRACT",
     "IngestionResult",
     "IngestionTimings",
     "RowOutcome",
+    "apply_invalid_row_policy",
+    "build_ingestion_receipt",
     "TokenizedRow",
     "ingest_examples",
     "ingest_jsonl",
@@ -146,7 +139,6 @@ class IngestionTimings:
     render: float = 0.0
     tokenize: float = 0.0
     label: float = 0.0
-    counts: dict = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- sources
@@ -348,9 +340,10 @@ def iter_jsonl_outcomes(path: Path, *, tokenizer, template: ChatTemplate | None 
 # --------------------------------------------------------------------------- policy and receipt
 
 
-def _apply_policy(
+def apply_invalid_row_policy(
     outcomes: Iterable[RowOutcome], policy: str, source: str, source_locator: str | None
 ) -> IngestionResult:
+    """Apply `fail`/`skip` to row outcomes in order and build the receipt (kiln-contract §3.3)."""
     if policy not in POLICIES:
         raise invalid_request(f"invalid_row_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     if source not in SOURCES:
@@ -388,31 +381,6 @@ def _apply_policy(
     )
 
 
-def build_ingestion_receipt(
-    source: str,
-    source_locator: str | None,
-    policy: str,
-    rows_read: int,
-    kept_row_hashes: list[str],
-    rejected_rows: list[dict],
-) -> dict:
-    """The `kiln.sft-ingestion.v1` object (kiln-contract §3.5), validated before it is returned."""
-    receipt: dict = {"schema": INGESTION_SCHEMA, "source": source}
-    if source_locator is not None:
-        receipt["source_locator"] = source_locator
-    receipt.update(
-        invalid_row_policy=policy,
-        rows_read=rows_read,
-        rows_kept=len(kept_row_hashes),
-        rows_rejected=len(rejected_rows),
-        kept_row_hashes=list(kept_row_hashes),
-        rejected_rows=[dict(r) for r in rejected_rows],
-        kept_corpus_sha256=kept_corpus_sha256(kept_row_hashes),
-    )
-    validate_ingestion_receipt(receipt)
-    return receipt
-
-
 def ingest_examples(
     examples: list,
     *,
@@ -427,7 +395,7 @@ def ingest_examples(
     if not isinstance(examples, list):
         raise invalid_request("examples must be an array of example objects")
     outcomes = iter_example_outcomes(examples, tokenizer=tokenizer, template=template, timings=timings)
-    return _apply_policy(outcomes, policy, source, source_locator)
+    return apply_invalid_row_policy(outcomes, policy, source, source_locator)
 
 
 def ingest_jsonl(
@@ -443,70 +411,4 @@ def ingest_jsonl(
     """Ingest a JSONL file (already resolved with `resolve_dataset_path` when it came from a request)."""
     locator = source_locator if source_locator is not None else str(path)
     outcomes = iter_jsonl_outcomes(path, tokenizer=tokenizer, template=template, timings=timings)
-    return _apply_policy(outcomes, policy, source, locator)
-
-
-def validate_ingestion_receipt(obj) -> None:
-    """Enforce every `kiln.sft-ingestion.v1` invariant (kiln-contract §3.5); KilnError if one fails."""
-
-    def bad(why: str) -> KilnError:
-        return invalid_request(f"invalid {INGESTION_SCHEMA} receipt: {why}")
-
-    if not isinstance(obj, dict):
-        raise bad("expected an object")
-    unknown = sorted(set(obj) - set(RECEIPT_FIELDS))
-    if unknown:
-        raise bad(f"unknown field(s) {', '.join(unknown)}")
-    missing = [k for k in RECEIPT_FIELDS if k != "source_locator" and k not in obj]
-    if missing:
-        raise bad(f"missing field(s) {', '.join(missing)}")
-    if obj["schema"] != INGESTION_SCHEMA:
-        raise bad(f"schema is {obj['schema']!r}")
-    if obj["source"] not in SOURCES:
-        raise bad(f"source {obj['source']!r} is not one of {', '.join(SOURCES)}")
-    if "source_locator" in obj:
-        locator = obj["source_locator"]
-        if not isinstance(locator, str) or not locator.strip():
-            raise bad("source_locator must be a non-blank string when present")
-    if obj["invalid_row_policy"] not in POLICIES:
-        raise bad(f"invalid_row_policy {obj['invalid_row_policy']!r} is not one of {', '.join(POLICIES)}")
-    counts = {}
-    for key in ("rows_read", "rows_kept", "rows_rejected"):
-        value = obj[key]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise bad(f"{key} must be a non-negative integer")
-        counts[key] = value
-    if counts["rows_read"] != counts["rows_kept"] + counts["rows_rejected"]:
-        raise bad("rows_read != rows_kept + rows_rejected")
-    if counts["rows_kept"] <= 0:
-        raise bad("rows_kept must be > 0")
-    kept, rejected = obj["kept_row_hashes"], obj["rejected_rows"]
-    if not isinstance(kept, list) or len(kept) != counts["rows_kept"]:
-        raise bad("kept_row_hashes length differs from rows_kept")
-    if not isinstance(rejected, list) or len(rejected) != counts["rows_rejected"]:
-        raise bad("rejected_rows length differs from rows_rejected")
-    for h in kept:
-        if not is_digest(h):
-            raise bad(f"kept row hash {h!r} is not sha256:<64 lowercase hex>")
-    if obj["invalid_row_policy"] == "fail" and rejected:
-        raise bad("a fail-policy ingestion cannot record rejected rows")
-    previous = 0
-    for entry in rejected:
-        if not isinstance(entry, dict) or set(entry) != set(REJECTED_ROW_FIELDS):
-            raise bad(f"rejected row entries have exactly the fields {', '.join(REJECTED_ROW_FIELDS)}")
-        index = entry["row_index"]
-        if not isinstance(index, int) or isinstance(index, bool) or index < 1:
-            raise bad("rejected row_index must be a 1-based integer")
-        if index <= previous:
-            raise bad("rejected row_index values must be strictly increasing")
-        if index > counts["rows_read"]:
-            raise bad(f"rejected row_index {index} exceeds rows_read")
-        previous = index
-        if not is_digest(entry["row_sha256"]):
-            raise bad(f"rejected row_sha256 {entry['row_sha256']!r} is not sha256:<64 lowercase hex>")
-        if entry["reason"] not in REJECTION_REASONS:
-            raise bad(f"rejection reason {entry['reason']!r} is not one of {', '.join(REJECTION_REASONS)}")
-    if not is_digest(obj["kept_corpus_sha256"]):
-        raise bad("kept_corpus_sha256 is not sha256:<64 lowercase hex>")
-    if kept_corpus_sha256(kept) != obj["kept_corpus_sha256"]:
-        raise bad("kept_corpus_sha256 does not recompute from kept_row_hashes")
+    return apply_invalid_row_policy(outcomes, policy, source, locator)
