@@ -1,0 +1,135 @@
+"""`kiln data inspect FILE.jsonl`: see exactly what SFT ingestion would train on, row by row.
+
+Every non-blank row is shown, whatever the policy: its rendering with the supervised spans
+highlighted (ANSI colour on a terminal, `⟦…⟧` otherwise), token and supervised-token counts, its
+row hash, or its rejection. The invalid-row policy is then applied as the server would
+(kiln-contract §3.3): under `fail` any rejected row makes the command exit 1; under `skip` it
+exits 1 only when no row remains. `--json` prints one object per row and the ingestion receipt
+(or the error envelope) as the final line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from kiln.cli.tokenizer_cmd import cached_tokenizer
+from kiln_train.chat_template import load_model_chat_template, select_training_template, training_template
+from kiln_train.errors import KilnError
+from kiln_train.ingestion import RowOutcome, apply_invalid_row_policy, iter_jsonl_outcomes
+from kiln_train.ingestion_receipt import POLICIES
+from kiln_train.tokenizer import load_tokenizer
+
+OPEN_BRACKET, CLOSE_BRACKET = "⟦", "⟧"
+
+
+def load_model_text_stack(model: Path | None):
+    """(tokenizer, training template) for a model directory, or the packaged Qwen3.5 ones."""
+    if model is None:
+        return cached_tokenizer(), training_template()
+    tokenizer = load_tokenizer(model)
+    chat_template = load_model_chat_template(model)
+    if chat_template is None:
+        click.echo(f"kiln: {model} has no chat template; using the Qwen3.5 training template", err=True)
+        return tokenizer, training_template()
+    return tokenizer, select_training_template(chat_template)
+
+
+def highlight(text: str, spans, color: bool) -> str:
+    """The rendering with supervised character spans marked."""
+    out, pos = [], 0
+    for a, b in spans:
+        out.append(text[pos:a])
+        segment = text[a:b]
+        out.append(
+            click.style(segment, fg="green", bold=True) if color else OPEN_BRACKET + segment + CLOSE_BRACKET
+        )
+        pos = b
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def row_json(outcome: RowOutcome) -> dict:
+    if outcome.kept:
+        row = outcome.tokenized
+        return {
+            "row_index": row.row_index,
+            "row_sha256": row.row_sha256,
+            "seq_len": row.seq_len,
+            "supervised_tokens": row.supervised_tokens,
+            "input_ids": row.input_ids,
+            "labels": row.labels,
+        }
+    return {
+        "row_index": outcome.row_index,
+        "row_sha256": outcome.row_sha256,
+        "rejection": outcome.reason,
+        "detail": outcome.detail,
+    }
+
+
+def echo_row(outcome: RowOutcome, color: bool) -> None:
+    if outcome.kept:
+        row = outcome.tokenized
+        status = f"kept  tokens {row.seq_len}  supervised {row.supervised_tokens}"
+    else:
+        status = f"REJECTED {outcome.reason}: {outcome.detail}"
+        if color:
+            status = click.style(status, fg="red", bold=True)
+    click.echo(f"── row {outcome.row_index}  {outcome.row_sha256}  {status}")
+    if outcome.rendered is not None:
+        shown = highlight(outcome.rendered.text, outcome.rendered.spans, color)
+        click.echo(shown, nl=not shown.endswith("\n"))
+
+
+def register(cli: click.Group) -> None:
+    @cli.group("data")
+    def data_group() -> None:
+        """Inspect SFT data the way ingestion sees it."""
+
+    @data_group.command("inspect")
+    @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+    @click.option(
+        "--model",
+        type=click.Path(exists=True, file_okay=False, path_type=Path),
+        help="Model (or tokenizer) directory; default: the packaged Qwen3.5 tokenizer.",
+    )
+    @click.option("--policy", type=click.Choice(POLICIES), default="fail", show_default=True)
+    @click.option("--json", "as_json", is_flag=True, help="One JSON object per row, then the receipt.")
+    def inspect(file: Path, model: Path | None, policy: str, as_json: bool) -> None:
+        """Render, tokenize and label every row of FILE.jsonl; report kept and rejected rows."""
+        try:
+            tokenizer, template = load_model_text_stack(model)
+        except (KilnError, FileNotFoundError) as exc:
+            click.echo(f"kiln: {getattr(exc, 'message', exc)}", err=True)
+            sys.exit(2)
+        logging.getLogger("kiln_train.ingestion").setLevel(logging.ERROR)  # rows are shown below
+        outcomes = list(iter_jsonl_outcomes(file, tokenizer=tokenizer, template=template))
+        color = not as_json and sys.stdout.isatty()
+        for outcome in outcomes:
+            if as_json:
+                click.echo(json.dumps(row_json(outcome), ensure_ascii=False))
+            else:
+                echo_row(outcome, color)
+        try:
+            result = apply_invalid_row_policy(outcomes, policy, "dataset_path", str(file))
+        except KilnError as exc:
+            if as_json:
+                click.echo(json.dumps(exc.envelope(), ensure_ascii=False))
+            else:
+                click.echo(f"── {exc.message}")
+            sys.exit(1)
+        if as_json:
+            click.echo(json.dumps(result.receipt, ensure_ascii=False))
+            return
+        receipt = result.receipt
+        click.echo(
+            f"── {receipt['rows_read']} row(s) read, {receipt['rows_kept']} kept, {receipt['rows_rejected']} rejected "
+            f"(policy {policy}); tokens {result.total_tokens}, supervised {result.total_supervised_tokens}, "
+            f"longest {result.max_seq_len}"
+        )
+        click.echo(f"── kept corpus {receipt['kept_corpus_sha256']}")
