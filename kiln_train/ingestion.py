@@ -146,12 +146,14 @@ class IngestionTimings:
 
 @dataclass(frozen=True)
 class _SourceRow:
-    """A non-blank row before checks: a decoded object, or the raw line and why it did not parse."""
+    """A non-blank row before checks: a decoded object (and, for inline rows, its parsed form),
+    or the raw line and why it did not parse."""
 
     row_index: int
     obj: object = None
     raw: bytes | None = None
     parse_error: str | None = None
+    parsed: tuple[dict, str] | None = None  # (parsed row, canonical JSON), already checked
 
 
 def resolve_dataset_path(dataset_path: str, datasets_root: Path) -> Path:
@@ -214,9 +216,29 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not a JSON value")
 
 
-def _example_rows(examples: Iterable) -> Iterator[_SourceRow]:
+def _parse(obj) -> tuple[dict, str]:
+    """(parsed row, canonical JSON); RowSchemaError when `obj` is not an SFT example."""
+    parsed = parse_example(obj)
+    try:
+        canonical = canonical_json(parsed)
+        canonical.encode("utf-8")  # lone surrogates cannot be hashed (nor sent by a JSON encoder)
+    except ValueError as exc:
+        raise RowSchemaError("example", f"not representable as JSON: {exc}") from None
+    return parsed, canonical
+
+
+def _example_rows(examples: list, t: IngestionTimings) -> list[_SourceRow]:
+    """Inline examples are one request body: every example must deserialise before any row is
+    processed, so a malformed example is reported as the transport error it is (kiln-contract §3.2)."""
+    t0 = time.perf_counter()
+    rows = []
     for i, obj in enumerate(examples):
-        yield _SourceRow(i + 1, obj=obj)
+        try:
+            rows.append(_SourceRow(i + 1, parsed=_parse(obj)))
+        except RowSchemaError as exc:
+            raise invalid_request(f"examples[{i}]: {exc.detail}") from None
+    t.parse_hash += time.perf_counter() - t0
+    return rows
 
 
 # --------------------------------------------------------------------------- the row pipeline
@@ -229,22 +251,18 @@ class _Pending:
     rendered: RenderedConversation
 
 
-def _front(row: _SourceRow, template: ChatTemplate, inline: bool, t: IngestionTimings):
+def _front(row: _SourceRow, template: ChatTemplate, t: IngestionTimings):
     """Parse, hash, check and render one row: a RowOutcome (rejected) or a _Pending (rendered)."""
     t0 = time.perf_counter()
     if row.parse_error is not None:
         t.parse_hash += time.perf_counter() - t0
         return RowOutcome(row.row_index, raw_row_sha256(row.raw), reason=INVALID_JSON, detail=row.parse_error)
     try:
-        parsed = parse_example(row.obj)
-        canonical = canonical_json(parsed)
-        row_sha = domain_digest(PARSED_ROW_DOMAIN, canonical.encode("utf-8"))
-    except (RowSchemaError, ValueError) as exc:
+        parsed, canonical = row.parsed if row.parsed is not None else _parse(row.obj)
+    except RowSchemaError as exc:
         t.parse_hash += time.perf_counter() - t0
-        detail = exc.detail if isinstance(exc, RowSchemaError) else f"not representable as JSON: {exc}"
-        if inline:
-            raise invalid_request(f"examples[{row.row_index - 1}]: {detail}") from None
-        return RowOutcome(row.row_index, raw_row_sha256(row.raw), reason=INVALID_JSON, detail=detail)
+        return RowOutcome(row.row_index, raw_row_sha256(row.raw), reason=INVALID_JSON, detail=exc.detail)
+    row_sha = domain_digest(PARSED_ROW_DOMAIN, canonical.encode("utf-8"))
     try:
         check_roles(parsed)
         conversation = prepare_for_template(parsed, canonical)
@@ -306,7 +324,6 @@ def _outcomes(
     rows: Iterable[_SourceRow],
     tokenizer,
     template: ChatTemplate | None,
-    inline: bool,
     timings: IngestionTimings,
 ) -> Iterator[RowOutcome]:
     template = template or training_template()
@@ -318,7 +335,7 @@ def _outcomes(
         return [next(done) if isinstance(c, _Pending) else c for c in chunk]
 
     for row in rows:
-        chunk.append(_front(row, template, inline, timings))
+        chunk.append(_front(row, template, timings))
         if len(chunk) >= CHUNK_ROWS:
             yield from flush()
             chunk = []
@@ -326,15 +343,25 @@ def _outcomes(
 
 
 def iter_example_outcomes(
-    examples: Iterable, *, tokenizer, template: ChatTemplate | None = None, timings=None
-):
-    """Every inline example's outcome in order (no policy applied); schema errors still raise."""
-    return _outcomes(_example_rows(examples), tokenizer, template, True, timings or IngestionTimings())
+    examples: list,
+    *,
+    tokenizer,
+    template: ChatTemplate | None = None,
+    timings: IngestionTimings | None = None,
+) -> Iterator[RowOutcome]:
+    """Every inline example's outcome in order (no policy applied).
+
+    Raises `training_invalid_request` at once when any example cannot be deserialised.
+    """
+    timings = timings or IngestionTimings()
+    return _outcomes(_example_rows(list(examples), timings), tokenizer, template, timings)
 
 
-def iter_jsonl_outcomes(path: Path, *, tokenizer, template: ChatTemplate | None = None, timings=None):
+def iter_jsonl_outcomes(
+    path: Path, *, tokenizer, template: ChatTemplate | None = None, timings: IngestionTimings | None = None
+) -> Iterator[RowOutcome]:
     """Every non-blank JSONL row's outcome in order (no policy applied)."""
-    return _outcomes(_jsonl_rows(Path(path)), tokenizer, template, False, timings or IngestionTimings())
+    return _outcomes(_jsonl_rows(Path(path)), tokenizer, template, timings or IngestionTimings())
 
 
 # --------------------------------------------------------------------------- policy and receipt

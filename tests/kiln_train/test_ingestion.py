@@ -467,3 +467,38 @@ def test_receipt_validator_requires_increasing_row_indexes():
     with pytest.raises(KilnError) as err:
         validate_ingestion_receipt(receipt)
     assert "strictly increasing" in reject_message(err.value)
+
+
+def test_inline_body_is_validated_before_any_row_is_judged(qwen_tokenizer):
+    rows = [
+        PLAIN,
+        {"messages": [{"role": "bot", "content": "x"}]},
+        {"messages": [{"role": "user", "content": []}]},
+    ]
+    rows.append({"messages": "not a list"})
+    with pytest.raises(KilnError) as err:
+        ingest_examples(rows, tokenizer=qwen_tokenizer)
+    assert "examples[3]: messages: expected an array" in reject_message(err.value)
+
+
+@pytest.mark.parametrize(
+    "example",
+    [
+        {"messages": [{"role": "user", "content": "\ud800"}, {"role": "assistant", "content": "A"}]},
+        {
+            "messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}],
+            "tools": [{"x": float("nan")}],
+        },
+    ],
+)
+def test_unhashable_inline_values_are_transport_errors(qwen_tokenizer, example):
+    with pytest.raises(KilnError) as err:
+        ingest_examples([example], tokenizer=qwen_tokenizer, policy="skip")
+    assert "examples[0]: example: not representable as JSON" in reject_message(err.value)
+
+
+def test_lone_surrogate_in_jsonl_is_invalid_json(qwen_tokenizer, tmp_path):
+    line = '{"messages": [{"role": "user", "content": "\\ud800"}, {"role": "assistant", "content": "A"}]}'
+    outcome = _reject(qwen_tokenizer, tmp_path, line)
+    assert outcome.reason == "invalid_json"
+    assert outcome.row_sha256 == raw_row_sha256(line.encode())
