@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -258,11 +259,20 @@ def write_tiny_checkpoint(
         raise ValueError(f"head_dim {cfg.head_dim} x partial_rotary_factor must give an even rotary dim")
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", generation_config())
-    save_file(random_tensors(cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    weights = out / "model.safetensors"
+    save_file(random_tensors(cfg, seed), str(weights), metadata={"format": "pt"})
+    weights.chmod(_readable_mode(0o644))  # safetensors creates it owner-only; share it like the rest
     if with_tokenizer:
         write_tokenizer(out, tokenizer)
         shutil.copyfile(TEMPLATE_FILE, out / "chat_template.jinja")
     return out
+
+
+def _readable_mode(mode: int) -> int:
+    """`mode` filtered through the process umask (what open() would have given)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
 
 
 def _write_json(path: Path, obj: dict) -> None:

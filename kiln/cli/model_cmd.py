@@ -1,0 +1,51 @@
+"""`kiln model init-tiny OUT_DIR`: write a tiny random Qwen3.5 checkpoint (kiln_train/tiny.py).
+
+Torch is imported only when the command runs, so `kiln --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import click
+
+PRESET_NAMES = ("tiny", "small")
+
+
+def register(cli: click.Group) -> None:
+    @cli.group("model")
+    def model_group() -> None:
+        """Build and inspect Qwen3.5 model directories."""
+
+    @model_group.command("init-tiny")
+    @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+    @click.option("--preset", type=click.Choice(PRESET_NAMES), default="tiny", show_default=True)
+    @click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=0, show_default=True)
+    def init_tiny(out_dir: Path, preset: str, seed: int) -> None:
+        """Write a complete random Qwen3.5 checkpoint (config, weights incl. mtp.*, tokenizer, template)."""
+        from kiln.cli.tokenizer_cmd import cached_tokenizer
+        from kiln_train.model_config import load_config
+        from kiln_train.tiny import write_tiny_checkpoint
+
+        if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+            raise click.UsageError(f"{out_dir} already exists and is not an empty directory")
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        # Build in a sibling staging directory and rename, so a failure leaves nothing behind.
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
+        try:
+            write_tiny_checkpoint(staging, preset, seed, tokenizer=cached_tokenizer())
+            staging.chmod(0o755)  # mkdtemp makes it owner-only; a model directory is shared
+            if out_dir.exists():
+                out_dir.rmdir()
+            staging.rename(out_dir)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        config = load_config(out_dir)
+        click.echo(
+            f"wrote {preset} Qwen3.5 checkpoint to {out_dir} (seed {seed}, "
+            f"{config.base_parameter_count():,} trunk parameters, {config.num_hidden_layers} layers)"
+        )
+        for path in sorted(out_dir.iterdir()):
+            click.echo(f"  {path.name} ({path.stat().st_size} bytes)")
