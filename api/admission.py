@@ -1,0 +1,377 @@
+"""SFT admission: `POST /v1/train/sft` from body to queued job (kiln-contract §1.5, DESIGN.md §1).
+
+Order: (1) validate the request; (2) Idempotency-Key replay or 422; (3) queue limits; (4) the
+live runner; (5) static gates and the output name; (6) resume checkpoint; (7) defaults (learning
+rate, the seed drawn once, checkpoint interval, output name); (8) ingestion with the runner's
+tokenizer; (9) memory admission and the segment plan; (10) one transaction writing the pinned
+admission, the job and its first event — limits, key and name re-checked inside it, with
+admissions serialised (SQLite's write lock, a Postgres advisory lock) so queue order is commit
+order; (11) publish with task_id = job_id, then mark published.
+
+Steps 1-9 write nothing, so a rejected request leaves no row, no message and no file. No
+database transaction is held across ingestion or memory planning.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from api.errors import IDEMPOTENCY_KEY_REUSED, ApiError
+from api.queries import active_jobs_for_adapter, admission_summaries
+from api.resume_gate import ResumePoint, adopt_checkpoint_fields, check_resume_identity, load_resume_point
+from api.runner_gate import RunnerTarget, check_static_gates, check_training_template, runner_target
+from api.services import Services
+from kiln.store import (
+    IdempotencyKeyTaken,
+    Job,
+    count_queued,
+    count_tracked,
+    find_by_idempotency_key,
+    get_adapter,
+    insert_admitted_job,
+    live_runner,
+    mark_published,
+    new_job_id,
+    states,
+)
+from kiln_train.errors import (
+    ADAPTER_ALREADY_EXISTS,
+    TRAINING_NO_RUNNER,
+    TRAINING_QUEUE_FULL,
+    TRAINING_TRACKED_FULL,
+    KilnError,
+    backend_unsupported,
+    invalid_request,
+)
+from kiln_train.ingestion import IngestionResult, ingest_examples, ingest_jsonl, resolve_dataset_path
+from kiln_train.memory import SegmentPlan, available_budget, plan_segments
+from kiln_train.provenance import json_sha256
+from kiln_train.sft_config import SftConfig, SftRequest, parse_sft_request
+
+log = logging.getLogger(__name__)
+
+# Any constant works; it names "the admission writer" among Postgres advisory locks.
+ADMISSION_LOCK_KEY = 0x6B696C6E  # "kiln"
+IDEMPOTENCY_KEY_MAX = 255
+CHECKPOINT_BOUNDARY = "contiguous"
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """The answer to a submission: the job, its admission summary, and whether it was a replay."""
+
+    job: Job
+    summary: dict
+    message: str
+    replayed: bool
+    published: bool
+
+
+@dataclass(frozen=True)
+class _Plan:
+    job_id: str
+    config: SftConfig  # effective: resolved, defaults filled, segments stamped
+    request: SftRequest
+    target: RunnerTarget
+    ingestion: IngestionResult
+    segments: SegmentPlan
+    auto_segments: bool  # the segment count was planned, not given by the request or checkpoint
+    resume: ResumePoint | None
+
+
+def request_fingerprint(body: object) -> str:
+    """SHA-256 of the body's canonical JSON: the same request, however it was formatted."""
+    return json_sha256(body)
+
+
+def check_idempotency_key(key: str | None) -> str | None:
+    if key is None:
+        return None
+    if not key or len(key) > IDEMPOTENCY_KEY_MAX or not key.isascii() or not key.isprintable():
+        raise invalid_request(
+            f"the Idempotency-Key header must be 1..={IDEMPOTENCY_KEY_MAX} printable ASCII characters"
+        )
+    return key
+
+
+def admit_sft(svc: Services, body: object, idempotency_key: str | None) -> Admitted:
+    """Admit one SFT request or raise the contract error that rejects it (nothing written)."""
+    request = parse_sft_request(body)  # (1)
+    key = check_idempotency_key(idempotency_key)
+    fingerprint = request_fingerprint(body)
+    settings = svc.settings
+    with svc.sessions() as session:
+        if key is not None:  # (2)
+            replay = _replay(session, key, fingerprint)
+            if replay is not None:
+                return replay
+        _check_limits(session, svc)  # (3)
+        runner = live_runner(session, settings.training.runner_stale_seconds)  # (4)
+        if runner is None:
+            raise KilnError(
+                TRAINING_NO_RUNNER,
+                "no live training runner: no worker has sent a heartbeat within "
+                f"{settings.training.runner_stale_seconds} s",
+            )
+        target = runner_target(runner)  # (5)
+        check_static_gates(target, request.config)
+        if request.config.output_name is not None:
+            _check_adapter_free(session, svc, request.config.output_name)
+    plan = _prepare(svc, request, target)  # (6)-(9), no transaction held
+    with svc.sessions.begin() as session:  # (10)
+        lock_admissions(session)
+        if key is not None:
+            replay = _replay(session, key, fingerprint)
+            if replay is not None:
+                return replay
+        _check_limits(session, svc)
+        _check_adapter_free(session, svc, plan.config.output_name)
+        try:
+            job = insert_admitted_job(
+                session,
+                _job_fields(plan, key, fingerprint),
+                _admission_fields(plan),
+                _first_event(plan),
+            )
+        except IdempotencyKeyTaken:
+            # Unreachable while admissions are serialised; answer as a replay would all the same.
+            replay = _replay(session, key, fingerprint) if key is not None else None
+            if replay is None:
+                raise
+            return replay
+        summary = admission_summaries(session, [job.id])[job.id]
+    published = publish(svc, job.id)  # (11)
+    message = (
+        f"SFT job admitted: {job.rows_kept} row(s) x {job.epochs} epoch(s) = {job.total_steps} step(s), "
+        f"{plan.segments.num_segments} checkpoint segment(s); queued"
+    )
+    return Admitted(job=job, summary=summary, message=message, replayed=False, published=published)
+
+
+def publish(svc: Services, job_id: str) -> bool:
+    """Ring the doorbell and record it; a broker failure leaves the job for the reconciler."""
+    from worker.celery_app import publish_job
+
+    try:
+        publish_job(svc.celery, job_id, svc.settings.queue.queue_name)
+    except Exception:
+        log.exception("job %s is committed but its message was not published; the reconciler will", job_id)
+        return False
+    with svc.sessions.begin() as session:
+        mark_published(session, job_id)
+    return True
+
+
+# ----- reads and checks ---------------------------------------------------------------------
+
+
+def _replay(session: Session, key: str, fingerprint: str) -> Admitted | None:
+    job = find_by_idempotency_key(session, key)
+    if job is None:
+        return None
+    if job.request_fingerprint != fingerprint:
+        raise ApiError(
+            IDEMPOTENCY_KEY_REUSED,
+            f"Idempotency-Key {key!r} already names job {job.id} with a different request body",
+        )
+    summary = admission_summaries(session, [job.id])[job.id]
+    message = f"Idempotency-Key {key!r} replay: job {job.id} was admitted by an earlier identical request"
+    return Admitted(
+        job=job, summary=summary, message=message, replayed=True, published=job.published_at is not None
+    )
+
+
+def _check_limits(session: Session, svc: Services) -> None:
+    training = svc.settings.training
+    queued = count_queued(session)
+    if queued >= training.max_queued_jobs:
+        raise KilnError(
+            TRAINING_QUEUE_FULL,
+            f"{queued} jobs are queued (training.max_queued_jobs = {training.max_queued_jobs})",
+        )
+    tracked = count_tracked(session)
+    if tracked >= training.max_tracked_jobs:
+        raise KilnError(
+            TRAINING_TRACKED_FULL,
+            f"{tracked} jobs are tracked (training.max_tracked_jobs = {training.max_tracked_jobs})",
+        )
+
+
+def adapter_conflict(session: Session, adapters_dir: Path, name: str) -> str | None:
+    """Why `name` cannot be a new adapter (published, on disk, or another job's target), or None."""
+    if get_adapter(session, name) is not None:
+        return f"adapter {name!r} already exists"
+    if (adapters_dir / name).exists():
+        return f"adapter directory {name!r} already exists in the registry"
+    active = active_jobs_for_adapter(session, name)
+    if active:
+        return f"job {active[0]} already targets adapter {name!r}"
+    return None
+
+
+def _check_adapter_free(session: Session, svc: Services, name: str | None) -> None:
+    assert name is not None
+    reason = adapter_conflict(session, svc.settings.adapters_dir, name)
+    if reason is not None:
+        raise KilnError(ADAPTER_ALREADY_EXISTS, reason)
+
+
+def lock_admissions(session: Session) -> None:
+    """Serialise admission writers: SQLite already holds the write lock (BEGIN IMMEDIATE)."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": ADMISSION_LOCK_KEY})
+
+
+# ----- the plan (steps 6-9) -----------------------------------------------------------------
+
+
+def _prepare(svc: Services, request: SftRequest, target: RunnerTarget) -> _Plan:
+    settings = svc.settings
+    job_id = new_job_id()
+    config = request.config
+    resume = None
+    if config.resume_checkpoint is not None:  # (6)
+        resume = load_resume_point(config, settings.adapters_dir)
+        config = adopt_checkpoint_fields(config, resume)
+        check_static_gates(target, config)
+    defaults: dict = {}  # (7)
+    if config.checkpoint_interval is None and settings.training.checkpoint_interval is not None:
+        defaults["checkpoint_interval"] = settings.training.checkpoint_interval
+    if config.output_name is None:
+        defaults["output_name"] = f"sft-{job_id[:8]}"
+    config = config.model_copy(update=defaults).resolve(seed=resume.seed if resume else None)
+    auto_segments = config.grad_checkpoint_segments is None
+    ingestion = _ingest(svc, request, config, target)  # (8)
+    segments = _plan_memory(svc, config, target, ingestion)  # (9)
+    config = config.model_copy(update={"grad_checkpoint_segments": segments.num_segments})
+    if resume is not None:
+        check_resume_identity(
+            resume,
+            config.to_json(),
+            ingestion.receipt["kept_corpus_sha256"],
+            len(ingestion.rows),
+            config.epochs * len(ingestion.rows),
+        )
+    return _Plan(job_id, config, request, target, ingestion, segments, auto_segments, resume)
+
+
+def _ingest(svc: Services, request: SftRequest, config: SftConfig, target: RunnerTarget) -> IngestionResult:
+    check_training_template(target)
+    tokenizer = svc.tokenizers.get(target.model_path, target.identity.get("tokenizer_vocab_sha256"))
+    if request.examples is not None:
+        return ingest_examples(
+            list(request.examples), tokenizer=tokenizer, policy=config.invalid_row_policy, source="inline"
+        )
+    assert request.dataset_path is not None
+    path = resolve_dataset_path(request.dataset_path, svc.settings.datasets_dir)
+    return ingest_jsonl(
+        path,
+        tokenizer=tokenizer,
+        policy=config.invalid_row_policy,
+        source="dataset_path",
+        source_locator=request.dataset_path,
+    )
+
+
+def _plan_memory(
+    svc: Services, config: SftConfig, target: RunnerTarget, ingestion: IngestionResult
+) -> SegmentPlan:
+    if target.free_memory_bytes is None:
+        raise backend_unsupported(f"runner {target.runner_id} reports no free device memory to admit against")
+    memory = svc.settings.memory
+    available = available_budget(
+        target.backend,
+        total_bytes=target.total_memory_bytes or target.free_memory_bytes,
+        free_bytes=target.free_memory_bytes,
+        reserve_gb=memory.reserve_gb,
+        training_memory_gb=memory.training_memory_gb,
+    )
+    return plan_segments(
+        target.model,
+        max_seq_len=ingestion.max_seq_len,
+        max_supervised_tokens=ingestion.max_supervised_tokens,
+        lora_rank=config.lora_rank,
+        optimizer_kind=config.optimizer.kind,
+        loss_route=target.loss_route,
+        backend=target.backend,
+        weights_resident=True,  # the runner measured free memory with the model already loaded
+        available_bytes=available,
+        requested_segments=config.grad_checkpoint_segments,
+    )
+
+
+# ----- the rows (step 10) -------------------------------------------------------------------
+
+
+def _job_fields(plan: _Plan, key: str | None, fingerprint: str) -> dict:
+    config, rows = plan.config, len(plan.ingestion.rows)
+    return {
+        "id": plan.job_id,
+        "adapter_name": config.output_name,
+        "effective_seed": str(config.seed),
+        "optimizer_kind": config.optimizer.kind,
+        "learning_rate": config.learning_rate,
+        "lora_rank": config.lora_rank,
+        "lora_alpha": config.lora_alpha,
+        "epochs": config.epochs,
+        "rows_kept": rows,
+        "total_steps": config.epochs * rows,
+        "loss_route": plan.target.loss_route,
+        "backend": plan.target.backend.name,
+        "device": plan.target.backend.device,
+        "idempotency_key": key,
+        "request_fingerprint": fingerprint,
+        "resume_checkpoint": plan.resume.path.name if plan.resume else None,
+    }
+
+
+def _admission_fields(plan: _Plan) -> dict:
+    config, ingestion, segments = plan.config, plan.ingestion, plan.segments
+    inline = plan.request.examples is not None
+    breakdown = segments.breakdown.to_dict()
+    breakdown["available_bytes"] = segments.available_bytes
+    return {
+        "loss_route": plan.target.loss_route,
+        "optimizer": {"learning_rate": config.learning_rate, **config.optimizer.model_dump(mode="json")},
+        "checkpoint_plan": {
+            "max_segments": segments.num_segments,
+            "auto": plan.auto_segments,
+            "budget_bytes": segments.available_bytes,
+            "boundary": CHECKPOINT_BOUNDARY,
+            "resume_from": plan.resume.pin() if plan.resume else None,
+        },
+        "memory_estimate_bytes": segments.breakdown.total,
+        "memory_breakdown": breakdown,
+        "execution_identity_digest": plan.target.execution_identity_digest,
+        "runner_id": plan.target.runner_id,
+        "ingestion_receipt": ingestion.receipt,
+        "ingestion_receipt_sha256": json_sha256(ingestion.receipt),
+        "kept_corpus_sha256": ingestion.receipt["kept_corpus_sha256"],
+        "effective_config": config.to_json(),
+        "data_source": states.SOURCE_EXAMPLES if inline else states.SOURCE_DATASET_PATH,
+        "examples": list(plan.request.examples) if inline else None,
+        "dataset_path": None if inline else plan.request.dataset_path,
+        "max_seq_len": ingestion.max_seq_len,
+        "max_supervised_tokens": ingestion.max_supervised_tokens,
+    }
+
+
+def _first_event(plan: _Plan) -> dict:
+    return {
+        "kind": states.EVENT_QUEUED,
+        "message": "admitted and queued",
+        "data": {
+            "runner_id": plan.target.runner_id,
+            "rows_kept": len(plan.ingestion.rows),
+            "rows_rejected": plan.ingestion.receipt["rows_rejected"],
+            "total_steps": plan.config.epochs * len(plan.ingestion.rows),
+            "grad_checkpoint_segments": plan.segments.num_segments,
+            "memory_estimate_bytes": plan.segments.breakdown.total,
+            "resume_checkpoint": plan.resume.path.name if plan.resume else None,
+        },
+    }

@@ -1,0 +1,37 @@
+"""The app factory: `create_app(settings, celery=...)` (peers.md §4.1, pallets examples).
+
+Torch-free by construction: the api imports kiln_train's torch-free parts, the store and the
+Celery client only (a test checks `torch` never enters `sys.modules`).
+"""
+
+from __future__ import annotations
+
+from flask import Flask
+
+from api.auth import install_auth
+from api.errors import register_error_handlers
+from api.routes import BLUEPRINTS
+from api.services import build_services
+from kiln.settings import Settings
+
+MIB = 1 << 20
+
+
+def create_app(settings: Settings | None = None, *, celery=None) -> Flask:
+    """Build the api for `settings` (default: the process's kiln.toml / KILN_* settings).
+
+    `celery` is the broker client to publish through (default: `worker.celery_app.make_celery`).
+    """
+    if settings is None:
+        from kiln.settings import load_settings
+
+        settings = load_settings().settings
+    app = Flask("kiln.api", static_folder=None)
+    app.config["MAX_CONTENT_LENGTH"] = int(settings.server.max_request_mb * MIB)
+    app.json.sort_keys = False  # type: ignore[attr-defined]
+    app.extensions["kiln"] = build_services(settings, celery)
+    register_error_handlers(app)
+    install_auth(app, settings.server.api_tokens)
+    for blueprint in BLUEPRINTS:
+        app.register_blueprint(blueprint)
+    return app

@@ -1,0 +1,91 @@
+"""Read-only questions the api asks of the job store beyond `kiln.store`'s transitions.
+
+Only SELECTs live here; every write goes through `kiln.store`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from kiln.store import Admission, Job, Runner, states, utcnow
+
+
+def admission_summaries(session: Session, job_ids: list[str]) -> dict[str, dict]:
+    """For each job: where its data came from, the admitted corpus digest, rows and the
+    effective config's `auto_load`, in one query (no per-job round trips)."""
+    if not job_ids:
+        return {}
+    rows = session.execute(
+        select(
+            Admission.job_id,
+            Admission.data_source,
+            Admission.dataset_path,
+            Admission.kept_corpus_sha256,
+            Admission.ingestion_receipt,
+            Admission.checkpoint_plan,
+            Admission.memory_estimate_bytes,
+        ).where(Admission.job_id.in_(job_ids))
+    )
+    return {
+        row.job_id: {
+            "data_source": row.data_source,
+            "dataset_path": row.dataset_path,
+            "kept_corpus_sha256": row.kept_corpus_sha256,
+            "rows_read": row.ingestion_receipt.get("rows_read"),
+            "rows_rejected": row.ingestion_receipt.get("rows_rejected"),
+            "checkpoint_plan": row.checkpoint_plan,
+            "memory_estimate_bytes": row.memory_estimate_bytes,
+        }
+        for row in rows
+    }
+
+
+def active_jobs_for_adapter(session: Session, name: str) -> list[str]:
+    """Queued or running jobs that will write adapter `name`."""
+    query = select(Job.id).where(
+        Job.adapter_name == name,
+        Job.state.in_((states.QUEUED, states.RUNNING)),
+        Job.deleted_at.is_(None),
+    )
+    return list(session.scalars(query.order_by(Job.queue_seq)))
+
+
+def jobs_by_state(session: Session) -> dict[str, int]:
+    """Tracked jobs per state (every state present, zero included)."""
+    counts = dict.fromkeys(states.JOB_STATES, 0)
+    rows = session.execute(
+        select(Job.state, func.count()).where(Job.deleted_at.is_(None)).group_by(Job.state)
+    )
+    for state, count in rows:
+        counts[state] = int(count)
+    return counts
+
+
+def unpublished_count(session: Session) -> int:
+    return int(
+        session.execute(
+            select(func.count())
+            .select_from(Job)
+            .where(Job.state == states.QUEUED, Job.published_at.is_(None), Job.deleted_at.is_(None))
+        ).scalar_one()
+    )
+
+
+def newest_runner(session: Session) -> Runner | None:
+    """The runner with the most recent heartbeat, alive or not (for heartbeat age)."""
+    return session.scalars(select(Runner).order_by(Runner.heartbeat_at.desc()).limit(1)).first()
+
+
+def heartbeat_age_seconds(runner: Runner | None, now: datetime | None = None) -> float | None:
+    if runner is None:
+        return None
+    return max(0.0, ((now or utcnow()) - runner.heartbeat_at).total_seconds())
+
+
+def terminal_jobs(session: Session) -> list[Job]:
+    """Finished, not deleted jobs, most recently finished first."""
+    query = select(Job).where(Job.state.in_(states.TERMINAL_STATES), Job.deleted_at.is_(None))
+    return list(session.scalars(query.order_by(Job.finished_at.desc(), Job.queue_seq.desc())))

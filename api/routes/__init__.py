@@ -1,0 +1,12 @@
+"""One blueprint per resource; `BLUEPRINTS` is what the app factory registers."""
+
+from api.routes.adapters import bp as adapters
+from api.routes.config import bp as config
+from api.routes.health import bp as health
+from api.routes.jobs import bp as jobs
+from api.routes.metrics import bp as metrics
+from api.routes.openapi import bp as openapi
+from api.routes.queue import bp as queue
+from api.routes.training import bp as training
+
+BLUEPRINTS = (training, jobs, queue, config, health, adapters, metrics, openapi)

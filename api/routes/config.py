@@ -1,0 +1,56 @@
+"""`GET /v1/config`: the effective non-secret settings and the live runner's training support
+(kiln-contract §1.1, §2.3)."""
+
+from __future__ import annotations
+
+from flask import Blueprint, Response
+
+from api import schemas
+from api.http import json_response, services
+from api.views import runner_summary
+from kiln.settings import Settings
+from kiln.store import live_runner
+from kiln_train.optimizer_support import native_training_supported, native_training_unavailable_reason
+
+bp = Blueprint("config", __name__)
+
+
+def redact_url(url: str) -> str:
+    """A URL with its password replaced by `***`."""
+    if "://" not in url or "@" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    credentials, host = rest.rsplit("@", 1)
+    user = credentials.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}" if ":" in credentials else url
+
+
+def public_settings(settings: Settings) -> dict:
+    """Every setting that is not a secret (tokens become a count, URLs lose their password)."""
+    data = settings.model_dump(mode="json")
+    tokens = data["server"].pop("api_tokens")
+    data["server"]["auth_enabled"] = bool(tokens)
+    data["server"]["api_token_count"] = len(tokens)
+    data["database"]["url"] = redact_url(settings.database_url)
+    data["queue"]["broker_url"] = redact_url(settings.broker_url)
+    data["storage"]["root"] = str(settings.storage_root)
+    data["storage"]["adapters_dir"] = str(settings.adapters_dir)
+    data["storage"]["datasets_dir"] = str(settings.datasets_dir)
+    data["model"]["path"] = str(settings.model_path)
+    return data
+
+
+@bp.get("/v1/config")
+def config_view() -> Response:
+    svc = services()
+    with svc.sessions() as session:
+        runner = live_runner(session, svc.settings.training.runner_stale_seconds)
+    report = runner.optimizer_support if runner is not None else None
+    data = public_settings(svc.settings)
+    training = schemas.TrainingConfigOut(
+        **data.pop("training"),
+        optimizer_support=report,
+        native_training_supported=native_training_supported(report),
+        native_training_unavailable_reason=native_training_unavailable_reason(report),
+    )
+    return json_response(schemas.ConfigResponse(**data, training=training, runner=runner_summary(runner)))

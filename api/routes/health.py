@@ -1,0 +1,49 @@
+"""`GET /health`, `GET /v1/health`: readiness (database reachable) with the runner summary and
+the execution identity it pinned (kiln-contract §1.1). 503 `database_unavailable` otherwise."""
+
+from __future__ import annotations
+
+import logging
+
+from flask import Blueprint, Response
+from sqlalchemy import text
+from sqlalchemy.exc import SQLAlchemyError
+
+from api import schemas
+from api.errors import DATABASE_UNAVAILABLE, ApiError
+from api.http import json_response, services
+from api.views import runner_summary
+from kiln.store import count_queued, live_runner
+from kiln_train.optimizer_support import native_training_supported
+
+log = logging.getLogger(__name__)
+
+bp = Blueprint("health", __name__)
+
+
+@bp.get("/health")
+@bp.get("/v1/health")
+def health() -> Response:
+    svc = services()
+    try:
+        with svc.sessions() as session:
+            session.execute(text("SELECT 1"))
+            runner = live_runner(session, svc.settings.training.runner_stale_seconds)
+            depth = count_queued(session)
+    except SQLAlchemyError as exc:
+        log.warning("health: the job database is unreachable: %s", exc)
+        raise ApiError(DATABASE_UNAVAILABLE, f"the job database ({svc.dialect}) is unreachable") from None
+    base = runner.model_config.get("base_weights_sha256") if runner is not None else None
+    return json_response(
+        schemas.HealthResponse(
+            status="ok",
+            database=schemas.DatabaseHealth(ok=True, dialect=svc.dialect),
+            runner=runner_summary(runner),
+            execution_identity=runner.execution_identity_digest if runner is not None else None,
+            base_weight_identity=base,
+            queue_depth=depth,
+            native_training_supported=native_training_supported(
+                runner.optimizer_support if runner is not None else None
+            ),
+        )
+    )

@@ -1,0 +1,111 @@
+"""Job reads and deletion: status, detail (loss curve, receipt, checkpoint), events
+(kiln-contract §1.1, §1.4; cursor pagination per peers.md §4.3)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flask import Blueprint, Response
+
+from api import schemas
+from api.errors import TRAINING_JOB_ACTIVE, ApiError
+from api.http import json_list_response, json_response, query_int, services
+from api.queries import admission_summaries
+from api.views import event_out, job_detail, training_status
+from kiln.store import (
+    InvalidTransition,
+    delete_job,
+    get_admission,
+    latest_checkpoint,
+    list_events,
+    list_jobs,
+    loss_history,
+    queue_position,
+    queue_positions,
+    require_job,
+    states,
+    utcnow,
+)
+from kiln.store.events import MAX_EVENT_PAGE
+
+bp = Blueprint("jobs", __name__)
+
+DEFAULT_EVENT_PAGE = 100
+
+
+@bp.get("/v1/train/status")
+def list_status() -> Response:
+    """Every retained job in admission order (`[TrainingStatus]`)."""
+    with services().sessions() as session:
+        jobs = list_jobs(session)
+        summaries = admission_summaries(session, [j.id for j in jobs])
+        positions = queue_positions(session)
+    now = utcnow()
+    return json_list_response(
+        [training_status(j, summaries.get(j.id), positions.get(j.id), now) for j in jobs]
+    )
+
+
+@bp.get("/v1/train/status/<job_id>")
+def job_status(job_id: str) -> Response:
+    """One job's `TrainingStatus`; 404 `training_job_not_found`."""
+    with services().sessions() as session:
+        job = require_job(session, job_id)
+        summary = admission_summaries(session, [job_id]).get(job_id)
+        position = queue_position(session, job_id) if job.state == states.QUEUED else None
+    return json_response(training_status(job, summary, position))
+
+
+@bp.get("/v1/train/jobs/<job_id>")
+def job_detail_view(job_id: str) -> Response:
+    """`TrainingJobDetail`: status plus loss history, receipt and the latest checkpoint."""
+    svc = services()
+    with svc.sessions() as session:
+        job = require_job(session, job_id)
+        admission = get_admission(session, job_id)
+        summary = admission_summaries(session, [job_id]).get(job_id)
+        position = queue_position(session, job_id) if job.state == states.QUEUED else None
+        steps = loss_history(session, job_id)
+        checkpoint = latest_checkpoint(session, job_id)
+    latest = Path(checkpoint.path) if checkpoint is not None else None
+    if latest is None and job.latest_checkpoint:
+        latest = svc.settings.adapters_dir / job.latest_checkpoint
+    detail = job_detail(job, admission, summary, position, steps, latest, svc.settings.adapters_dir)
+    return json_response(detail)
+
+
+@bp.get("/v1/train/jobs/<job_id>/events")
+def job_events(job_id: str) -> Response:
+    """A page of the job's events after the cursor `after` (an event id), oldest first."""
+    after = query_int("after", None, minimum=0)
+    limit = query_int("limit", DEFAULT_EVENT_PAGE, minimum=1, maximum=MAX_EVENT_PAGE)
+    with services().sessions() as session:
+        require_job(session, job_id)
+        events, has_more = list_events(session, job_id, after, limit)
+    data = [event_out(e) for e in events]
+    return json_response(
+        schemas.EventPage(
+            data=data,
+            has_more=has_more,
+            first_id=data[0].id if data else None,
+            last_id=data[-1].id if data else None,
+        )
+    )
+
+
+@bp.delete("/v1/train/jobs/<job_id>")
+def delete_job_view(job_id: str) -> Response:
+    """Delete a finished job (409 `training_job_active` while it is queued or running).
+
+    The rows stay for SQL history (soft delete). This server keeps no per-job archive file, so
+    `removed_archive_file` is always false.
+    """
+    with services().sessions.begin() as session:
+        try:
+            delete_job(session, job_id)
+        except InvalidTransition as exc:
+            raise ApiError(
+                TRAINING_JOB_ACTIVE,
+                f"training job {job_id!r} is {exc.state}; only finished jobs can be deleted",
+            ) from None
+    return json_response(schemas.DeletedJob(job_id=job_id, status="deleted", removed_archive_file=False))

@@ -1,0 +1,68 @@
+"""The queue view and cancellation (kiln-contract §1.4 `QueueResponse`, cancel responses)."""
+
+from __future__ import annotations
+
+import logging
+
+from flask import Blueprint, Response
+
+from api import schemas
+from api.http import json_response, services
+from api.queries import admission_summaries, terminal_jobs
+from api.views import training_status
+from kiln.store import CANCELLED, list_jobs, list_queued, request_cancel, states, utcnow
+
+log = logging.getLogger(__name__)
+
+bp = Blueprint("queue", __name__)
+
+CANCELLING_MESSAGE = "stop requested — the trainer aborts at the next step boundary"
+
+
+@bp.get("/v1/train/queue")
+def queue_view() -> Response:
+    """Running job(s), queued jobs with 1-based FIFO positions, finished jobs newest first."""
+    with services().sessions() as session:
+        running = list_jobs(session, state=states.RUNNING)
+        queued = list_queued(session)
+        finished = terminal_jobs(session)
+        summaries = admission_summaries(session, [j.id for j in (*running, *finished)])
+    now = utcnow()
+    running_out = [training_status(j, summaries.get(j.id), None, now) for j in running]
+    return json_response(
+        schemas.QueueResponse(
+            running=running_out[0] if running_out else None,
+            running_jobs=running_out,
+            queued=[
+                schemas.QueuedEntry(job_id=j.id, job_type=j.job_type, adapter_name=j.adapter_name, position=i)
+                for i, j in enumerate(queued, start=1)
+            ],
+            completed=[training_status(j, summaries.get(j.id), None, now) for j in finished],
+        )
+    )
+
+
+@bp.delete("/v1/train/queue/<job_id>")
+def cancel_job(job_id: str) -> Response:
+    """Cancel: a queued job ends at once ("cancelled"), a running one stops at the next step
+    boundary ("cancelling"); 409 when it already finished or left the queue meanwhile."""
+    svc = services()
+    with svc.sessions.begin() as session:
+        outcome = request_cancel(session, job_id)
+    if outcome == CANCELLED:
+        revoke(svc.celery, job_id)
+        return json_response(schemas.CancelResponse(status="cancelled", job_id=job_id))
+    return json_response(
+        schemas.CancelResponse(status="cancelling", job_id=job_id, message=CANCELLING_MESSAGE)
+    )
+
+
+def revoke(celery, job_id: str) -> None:
+    """Tell workers to drop the message (task_id = job_id). Best effort: the row is the truth,
+    and a worker acknowledges and drops a message whose row is not queued anyway."""
+    try:
+        celery.control.revoke(job_id)
+    except Exception:
+        log.warning(
+            "could not broadcast the revoke of %s; the worker will drop it at dequeue", job_id, exc_info=True
+        )

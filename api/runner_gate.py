@@ -1,0 +1,104 @@
+"""The live runner as admission sees it, and the cheap static gates (kiln-contract §1.5 step 2).
+
+Admission never guesses what the worker holds: backend, device, dtypes, loss route, model shape
+and tokenizer all come from the runner's row in `runners`. A row the api cannot interpret
+(unknown device, a loss route with no estimator, a shape that is not Qwen3.5) is a 501, never a
+"close enough" plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from kiln.store import Runner
+from kiln_train.backend import Backend, backend_for_device
+from kiln_train.chat_template import training_template
+from kiln_train.errors import backend_unsupported, invalid_request
+from kiln_train.memory import ESTIMATED_ROUTES, check_segment_request
+from kiln_train.model_config import Qwen35Config, parse_config
+from kiln_train.optimizer_support import check_optimizer_tuple, native_training_unavailable_reason
+from kiln_train.sft_config import SftConfig
+
+
+@dataclass(frozen=True)
+class RunnerTarget:
+    """Everything admission pins from the live runner."""
+
+    runner_id: str
+    backend: Backend
+    model: Qwen35Config
+    loss_route: str
+    execution_identity_digest: str
+    model_path: str
+    identity: dict
+    allowed_optimizer_kinds: tuple[str, ...]
+    free_memory_bytes: int | None
+    total_memory_bytes: int | None
+
+
+def runner_target(runner: Runner) -> RunnerTarget:
+    """Interpret the runner row; 501 `training_backend_unsupported` when SFT cannot run on it."""
+    reason = native_training_unavailable_reason(runner.optimizer_support)
+    if reason is not None:
+        raise backend_unsupported(f"runner {runner.id}: {reason}")
+    try:
+        backend = backend_for_device(runner.device)
+    except ValueError as exc:
+        raise backend_unsupported(f"runner {runner.id}: {exc}") from None
+    if backend.name != runner.backend:
+        raise backend_unsupported(
+            f"runner {runner.id} reports backend {runner.backend!r} on device {runner.device!r}, which "
+            f"belongs to the {backend.name!r} backend"
+        )
+    if runner.loss_route not in ESTIMATED_ROUTES:
+        raise backend_unsupported(
+            f"runner {runner.id} uses the SFT loss route {runner.loss_route!r}, which this server cannot "
+            f"price in memory (known: {', '.join(ESTIMATED_ROUTES)})"
+        )
+    # The runner's own facts win over the device defaults (they are what it actually holds).
+    backend = dataclasses.replace(
+        backend,
+        base_weight_dtype=runner.base_weight_dtype,
+        lora_dtype=runner.lora_dtype,
+        sft_loss_route=runner.loss_route,
+    )
+    identity = runner.model_config.get("identity")
+    if not isinstance(identity, dict):
+        raise backend_unsupported(f"runner {runner.id} registered no model identity")
+    sft = next(w for w in runner.optimizer_support["workloads"] if w["workload"] == "sft")
+    return RunnerTarget(
+        runner_id=runner.id,
+        backend=backend,
+        model=parse_config(runner.model_config),
+        loss_route=runner.loss_route,
+        execution_identity_digest=runner.execution_identity_digest,
+        model_path=runner.model_path,
+        identity=identity,
+        allowed_optimizer_kinds=tuple(sft["allowed_optimizer_kinds"]),
+        free_memory_bytes=runner.free_memory_bytes,
+        total_memory_bytes=runner.total_memory_bytes,
+    )
+
+
+def check_static_gates(target: RunnerTarget, config: SftConfig) -> None:
+    """Optimizer tuple (kind x rank range) and an explicit segment count the route allows (400)."""
+    kind = config.optimizer.kind
+    if kind not in target.allowed_optimizer_kinds:
+        raise invalid_request(
+            f"config.optimizer.kind {kind!r} is not supported for sft by the resident runner "
+            f"(allowed: {', '.join(target.allowed_optimizer_kinds) or 'none'})"
+        )
+    check_optimizer_tuple(target.backend, target.model, kind, config.lora_rank)
+    check_segment_request(target.model, target.loss_route, config.grad_checkpoint_segments)
+
+
+def check_training_template(target: RunnerTarget) -> None:
+    """The api renders rows with the same training template the runner pinned (501 otherwise)."""
+    pinned = target.identity.get("training_chat_template_sha256")
+    ours = "sha256:" + training_template().sha256
+    if pinned is not None and pinned != ours:
+        raise backend_unsupported(
+            f"the runner's training chat template is {pinned} but this api renders with {ours}; "
+            "upgrade the api and the worker together"
+        )

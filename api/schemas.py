@@ -1,0 +1,220 @@
+"""Response bodies of the api as pydantic models (kiln-contract §1.4), shared by the views that
+build them and by the OpenAPI document that describes them."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TrainingState = Literal["queued", "running", "completed", "failed"]
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorBody(_Out):
+    code: str = Field(description="Stable machine code, e.g. training_invalid_request.")
+    message: str
+    hint: str
+
+
+class ErrorEnvelope(_Out):
+    error: ErrorBody
+
+
+class TrainingResponse(_Out):
+    """`POST /v1/train/sft` (an Idempotency-Key replay answers the same job with its state now)."""
+
+    job_id: str
+    state: TrainingState
+    effective_seed: str = Field(description="u64 seed as a decimal string.")
+    message: str
+    rows_kept: int
+    rows_rejected: int
+    total_steps: int
+    grad_checkpoint_segments: int
+    memory_estimate_gb: float
+
+
+class TrainingData(_Out):
+    source: Literal["inline", "dataset_path"]
+    dataset_path: str | None
+    admitted_corpus_sha256: str
+    rows: int = Field(description="Rows kept (trained on).")
+    rows_read: int | None
+    rows_rejected: int | None
+
+
+class TrainingStatus(_Out):
+    job_id: str
+    state: TrainingState
+    progress: float
+    current_loss: float | None
+    adapter_name: str | None
+    effective_seed: str
+    started_at: str | None = Field(description='Human string such as "12s ago"; null before start.')
+    elapsed_secs: float
+    submitted_unix_ms: int
+    finished_unix_ms: int | None
+    job_type: Literal["sft"]
+    training_data: TrainingData | None
+    error: str | None
+    failure_reason: str | None
+    queue_position: int | None
+    global_step: int
+    total_steps: int
+
+
+class LossSample(_Out):
+    step: int
+    epoch: int
+    progress: float
+    loss: float
+    elapsed_secs: float
+
+
+class TrainingCheckpointSummary(_Out):
+    resume_checkpoint: str
+    checkpoint_id: str
+    training_kind: str
+    data_source_kind: str
+    global_step: int
+    total_steps: int
+    next_epoch_index: int
+    next_cursor_in_epoch: int
+    complete: bool
+    created_at: str
+    effective_config: dict[str, Any]
+    data_content_sha256: str
+    data_item_count: int
+
+
+class TrainingJobDetail(TrainingStatus):
+    epoch: int | None
+    adapter_path: str | None
+    auto_load: bool
+    linked_eval_job_ids: list[str]
+    loss_history: list[LossSample]
+    train_receipt: dict[str, Any] | None
+    replay_request: dict[str, Any] | None
+    latest_checkpoint: TrainingCheckpointSummary | None
+    checkpoint_error: str | None
+    metadata_error: str | None
+
+
+class JobEventOut(_Out):
+    id: int
+    job_id: str
+    created_at: str
+    kind: str
+    level: str
+    message: str
+    data: dict[str, Any] | None
+
+
+class EventPage(_Out):
+    data: list[JobEventOut]
+    has_more: bool
+    first_id: int | None
+    last_id: int | None
+
+
+class QueuedEntry(_Out):
+    job_id: str
+    job_type: Literal["sft"]
+    adapter_name: str
+    position: int
+
+
+class QueueResponse(_Out):
+    running: TrainingStatus | None = Field(description="The oldest running job.")
+    running_jobs: list[TrainingStatus] = Field(description="Every running job (one per worker).")
+    queued: list[QueuedEntry]
+    completed: list[TrainingStatus] = Field(description="Finished jobs, newest first.")
+
+
+class CancelResponse(_Out):
+    status: Literal["cancelled", "cancelling"]
+    job_id: str
+    message: str | None = None
+
+
+class DeletedJob(_Out):
+    job_id: str
+    status: Literal["deleted"]
+    removed_archive_file: bool
+
+
+class AdapterInfo(_Out):
+    name: str
+    path: str
+    job_id: str | None
+    created_at: str
+    size_bytes: int
+    safetensors_sha256: str
+    rank: int
+    alpha: float
+    base_model_sha256: str | None
+    adapter_manifest: dict[str, Any] | None
+    adapter_manifest_error: str | None
+    checkpoints: list[str]
+
+
+class AdapterList(_Out):
+    adapters: list[AdapterInfo]
+
+
+class DeletedAdapter(_Out):
+    name: str
+    status: Literal["deleted"]
+    removed_checkpoints: list[str]
+
+
+class RunnerSummary(_Out):
+    id: str
+    state: str
+    backend: str
+    device: str
+    loss_route: str
+    base_weight_dtype: str
+    model_path: str
+    execution_identity_digest: str
+    heartbeat_age_s: float
+    free_memory_bytes: int | None
+    total_memory_bytes: int | None
+    current_job_id: str | None
+
+
+class DatabaseHealth(_Out):
+    ok: bool
+    dialect: str
+
+
+class HealthResponse(_Out):
+    status: Literal["ok"]
+    database: DatabaseHealth
+    runner: RunnerSummary | None
+    execution_identity: str | None
+    base_weight_identity: str | None
+    queue_depth: int
+    native_training_supported: bool
+
+
+class TrainingConfigOut(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    optimizer_support: dict[str, Any] | None
+    native_training_supported: bool
+    native_training_unavailable_reason: str | None
+
+
+class ConfigResponse(_Out):
+    server: dict[str, Any]
+    database: dict[str, Any]
+    queue: dict[str, Any]
+    storage: dict[str, Any]
+    model: dict[str, Any]
+    training: TrainingConfigOut
+    memory: dict[str, Any]
+    runner: RunnerSummary | None

@@ -1,0 +1,264 @@
+"""Response shaping: store rows in, contract JSON out (kiln-contract §1.4).
+
+Seeds are decimal strings, times are Unix milliseconds or RFC 3339, `started_at` is the
+original's human string ("12s ago").
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from api import schemas
+from kiln.store import Adapter, Admission, Job, JobEvent, Runner, TrainingStep, states, utcnow
+from kiln_train.checkpoint import CheckpointError, read_checkpoint_manifest
+
+LOSS_HISTORY_MAX = 1024
+GIB = 1 << 30
+RECEIPT_FILE = "train_receipt.json"
+ADAPTER_MANIFEST_FILE = "adapter_manifest.json"
+
+
+def human_ago(then: datetime, now: datetime) -> str:
+    seconds = max(0, int((now - then).total_seconds()))
+    if seconds < 60:
+        return f"{seconds}s ago"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m {seconds}s ago"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h {minutes}m ago"
+    days, hours = divmod(hours, 24)
+    return f"{days}d {hours}h ago"
+
+
+def unix_ms(value: datetime | None) -> int | None:
+    return None if value is None else int(value.timestamp() * 1000)
+
+
+def rfc3339(value: datetime) -> str:
+    return value.isoformat().replace("+00:00", "Z")
+
+
+def elapsed_secs(job: Job, now: datetime) -> float:
+    if job.started_at is None:
+        return 0.0
+    return max(0.0, ((job.finished_at or now) - job.started_at).total_seconds())
+
+
+def training_data(summary: dict | None) -> schemas.TrainingData | None:
+    if summary is None:
+        return None
+    inline = summary["data_source"] == states.SOURCE_EXAMPLES
+    return schemas.TrainingData(
+        source="inline" if inline else "dataset_path",
+        dataset_path=None if inline else summary["dataset_path"],
+        admitted_corpus_sha256=summary["kept_corpus_sha256"],
+        rows=summary.get("rows_kept", 0),
+        rows_read=summary.get("rows_read"),
+        rows_rejected=summary.get("rows_rejected"),
+    )
+
+
+def _status_fields(job: Job, summary: dict | None, position: int | None, now: datetime) -> dict[str, Any]:
+    if summary is not None:
+        summary = {**summary, "rows_kept": job.rows_kept}
+    error = job.error_message or (job.failure_reason if job.state == states.FAILED else None)
+    return {
+        "job_id": job.id,
+        "state": job.state,
+        "progress": job.progress,
+        "current_loss": job.current_loss,
+        "adapter_name": job.adapter_name,
+        "effective_seed": job.effective_seed,
+        "started_at": None if job.started_at is None else human_ago(job.started_at, now),
+        "elapsed_secs": elapsed_secs(job, now),
+        "submitted_unix_ms": unix_ms(job.submitted_at),
+        "finished_unix_ms": unix_ms(job.finished_at),
+        "job_type": job.job_type,
+        "training_data": training_data(summary),
+        "error": error,
+        "failure_reason": job.failure_reason,
+        "queue_position": position,
+        "global_step": job.global_step,
+        "total_steps": job.total_steps,
+    }
+
+
+def training_status(
+    job: Job, summary: dict | None, position: int | None, now: datetime | None = None
+) -> schemas.TrainingStatus:
+    return schemas.TrainingStatus(**_status_fields(job, summary, position, now or utcnow()))
+
+
+def training_response(job: Job, summary: dict, message: str) -> schemas.TrainingResponse:
+    """The submit answer for a job (a fresh admission or an Idempotency-Key replay)."""
+    return schemas.TrainingResponse(
+        job_id=job.id,
+        state=job.state,
+        effective_seed=job.effective_seed,
+        message=message,
+        rows_kept=job.rows_kept,
+        rows_rejected=summary.get("rows_rejected") or 0,
+        total_steps=job.total_steps,
+        grad_checkpoint_segments=summary["checkpoint_plan"]["max_segments"],
+        memory_estimate_gb=round(summary["memory_estimate_bytes"] / GIB, 4),
+    )
+
+
+def loss_samples(job: Job, steps: list[TrainingStep]) -> list[schemas.LossSample]:
+    """The loss curve, thinned evenly to at most LOSS_HISTORY_MAX samples (the last always kept)."""
+    if len(steps) > LOSS_HISTORY_MAX:
+        stride = len(steps) / LOSS_HISTORY_MAX
+        picked = [steps[int(i * stride)] for i in range(LOSS_HISTORY_MAX - 1)]
+        steps = [*picked, steps[-1]]
+    total = max(job.total_steps, 1)
+    return [
+        schemas.LossSample(
+            step=s.global_step,
+            epoch=s.epoch,
+            progress=min(1.0, s.global_step / total),
+            loss=s.loss,
+            elapsed_secs=0.0
+            if job.started_at is None
+            else max(0.0, (s.created_at - job.started_at).total_seconds()),
+        )
+        for s in steps
+    ]
+
+
+def checkpoint_summary(path: Path) -> tuple[schemas.TrainingCheckpointSummary | None, str | None]:
+    """Manifest-only view of a checkpoint (status never re-hashes artifacts, kiln-contract §1.4)."""
+    try:
+        manifest, _digest = read_checkpoint_manifest(path)
+    except CheckpointError as exc:
+        return None, exc.message
+    except OSError as exc:
+        return None, f"checkpoint {path.name!r}: {exc.strerror or exc}"
+    progress = manifest.progress
+    return (
+        schemas.TrainingCheckpointSummary(
+            resume_checkpoint=path.name,
+            checkpoint_id=manifest.checkpoint_id,
+            training_kind=manifest.training_kind,
+            data_source_kind=manifest.data.source_kind,
+            global_step=progress.global_step,
+            total_steps=progress.total_steps,
+            next_epoch_index=progress.epoch_index,
+            next_cursor_in_epoch=progress.cursor_in_epoch,
+            complete=progress.global_step >= progress.total_steps,
+            created_at=manifest.created_at,
+            effective_config=manifest.effective_config,
+            data_content_sha256="sha256:" + manifest.data.content_sha256.removeprefix("sha256:"),
+            data_item_count=manifest.data.item_count,
+        ),
+        None,
+    )
+
+
+def read_json_file(path: Path) -> tuple[dict | None, str | None]:
+    """A JSON object from disk, or the reason it could not be read (absent is not an error)."""
+    if not path.exists():
+        return None, None
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        return None, f"{path.name}: {exc}"
+    if not isinstance(value, dict):
+        return None, f"{path.name}: not a JSON object"
+    return value, None
+
+
+def replay_request(admission: Admission) -> dict[str, Any]:
+    """The request that re-runs this job exactly (effective config, same data transport)."""
+    body: dict[str, Any] = {"config": admission.effective_config}
+    if admission.data_source == states.SOURCE_EXAMPLES:
+        body["examples"] = admission.examples
+    else:
+        body["dataset_path"] = admission.dataset_path
+    return body
+
+
+def job_detail(
+    job: Job,
+    admission: Admission | None,
+    summary: dict | None,
+    position: int | None,
+    steps: list[TrainingStep],
+    latest: Path | None,
+    adapters_dir: Path,
+    now: datetime | None = None,
+) -> schemas.TrainingJobDetail:
+    now = now or utcnow()
+    receipt, metadata_error = job.receipt, None
+    if receipt is None and job.state == states.COMPLETED:
+        receipt, metadata_error = read_json_file(adapters_dir / job.adapter_name / RECEIPT_FILE)
+    checkpoint, checkpoint_error = (None, None) if latest is None else checkpoint_summary(latest)
+    config = admission.effective_config if admission is not None else {}
+    return schemas.TrainingJobDetail(
+        **_status_fields(job, summary, position, now),
+        epoch=job.current_epoch,
+        adapter_path=job.adapter_path,
+        auto_load=bool(config.get("auto_load", True)),
+        linked_eval_job_ids=[],
+        loss_history=loss_samples(job, steps),
+        train_receipt=receipt,
+        replay_request=None if admission is None else replay_request(admission),
+        latest_checkpoint=checkpoint,
+        checkpoint_error=checkpoint_error,
+        metadata_error=metadata_error,
+    )
+
+
+def event_out(event: JobEvent) -> schemas.JobEventOut:
+    return schemas.JobEventOut(
+        id=event.id,
+        job_id=event.job_id,
+        created_at=rfc3339(event.created_at),
+        kind=event.kind,
+        level=event.level,
+        message=event.message,
+        data=event.data,
+    )
+
+
+def runner_summary(runner: Runner | None, now: datetime | None = None) -> schemas.RunnerSummary | None:
+    if runner is None:
+        return None
+    return schemas.RunnerSummary(
+        id=runner.id,
+        state=runner.state,
+        backend=runner.backend,
+        device=runner.device,
+        loss_route=runner.loss_route,
+        base_weight_dtype=runner.base_weight_dtype,
+        model_path=runner.model_path,
+        execution_identity_digest=runner.execution_identity_digest,
+        heartbeat_age_s=max(0.0, ((now or utcnow()) - runner.heartbeat_at).total_seconds()),
+        free_memory_bytes=runner.free_memory_bytes,
+        total_memory_bytes=runner.total_memory_bytes,
+        current_job_id=runner.current_job_id,
+    )
+
+
+def adapter_info(adapter: Adapter, checkpoints: list[str]) -> schemas.AdapterInfo:
+    manifest, error = read_json_file(Path(adapter.path) / ADAPTER_MANIFEST_FILE)
+    if manifest is None and error is None:
+        error = f"{ADAPTER_MANIFEST_FILE} is missing"
+    return schemas.AdapterInfo(
+        name=adapter.name,
+        path=adapter.path,
+        job_id=adapter.job_id,
+        created_at=rfc3339(adapter.created_at),
+        size_bytes=adapter.size_bytes,
+        safetensors_sha256=adapter.safetensors_sha256,
+        rank=adapter.rank,
+        alpha=adapter.alpha,
+        base_model_sha256=adapter.base_model_sha256,
+        adapter_manifest=manifest,
+        adapter_manifest_error=error,
+        checkpoints=checkpoints,
+    )

@@ -1,0 +1,177 @@
+"""Fixtures for the api tests: a migrated job store (SQLite and Postgres), a real Redis broker,
+a live runner registered from a tiny Qwen3.5 model, and the app with its test client.
+
+Each module runs against both databases (`db_url` is parametrised per module, Postgres gets a
+fresh database that is dropped afterwards and fails, not skips, when unreachable). The broker is
+Redis db 11 (flushed before each test), queue `kiln-api-test`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from sqlalchemy import func, select
+
+from api import create_app
+from kiln.settings import Settings
+from kiln.store import Base, make_engine, register_runner, session_factory
+from tests.kiln.test_store_support import BACKENDS, clear_tables, migrated_database
+
+REDIS_URL = "redis://127.0.0.1:6379/11"
+QUEUE = "kiln-api-test"
+RUNNER_ID = "runner-test"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, qwen_tokenizer) -> Path:
+    """A complete tiny random Qwen3.5 checkpoint with the real tokenizer."""
+    from kiln_train.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny-model"), preset="tiny", tokenizer=qwen_tokenizer
+    )
+
+
+@pytest.fixture(scope="session")
+def runner_kwargs(tiny_model_dir) -> dict[str, Any]:
+    """What a real worker writes into `runners` for the tiny model (worker.runner)."""
+    from kiln_train.resident import load_resident
+    from worker.runner import runner_registration
+
+    kwargs = runner_registration(load_resident(tiny_model_dir))
+    # A fixed, generous budget so admission does not depend on this machine's free memory.
+    kwargs["free_memory_bytes"] = 16 << 30
+    kwargs["total_memory_bytes"] = 24 << 30
+    return kwargs
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def db_url(request, tmp_path_factory) -> Iterator[str]:
+    with migrated_database(request.param, tmp_path_factory.mktemp("db")) as url:
+        yield url
+
+
+@pytest.fixture
+def engine(db_url):
+    engine = make_engine(db_url)
+    clear_tables(engine)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def sessions(engine):
+    return session_factory(engine)
+
+
+@pytest.fixture
+def broker() -> redis.Redis:
+    client = redis.Redis.from_url(REDIS_URL)
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
+
+
+@pytest.fixture
+def storage(tmp_path) -> Path:
+    root = tmp_path / "storage"
+    root.mkdir()
+    return root
+
+
+def make_settings(storage: Path, db_url: str, **sections: dict) -> Settings:
+    values: dict[str, Any] = {
+        "storage": {"root": str(storage)},
+        "database": {"url": db_url},
+        "queue": {"broker_url": REDIS_URL, "queue_name": QUEUE},
+        "training": {"max_queued_jobs": 64, "max_tracked_jobs": 256},
+    }
+    for name, overrides in sections.items():
+        values[name] = {**values.get(name, {}), **overrides}
+    return Settings.model_validate(values)
+
+
+@pytest.fixture
+def settings(storage, db_url, engine, broker) -> Settings:
+    return make_settings(storage, db_url)
+
+
+@pytest.fixture
+def app(settings):
+    app = create_app(settings)
+    yield app
+    app.extensions["kiln"].close()
+
+
+@pytest.fixture
+def client(app):
+    return app.test_client()
+
+
+@pytest.fixture
+def runner(sessions, runner_kwargs):
+    """A live runner (fresh heartbeat) for the tiny model."""
+    with sessions.begin() as session:
+        register_runner(session, RUNNER_ID, **runner_kwargs)
+    return RUNNER_ID
+
+
+# ----- request builders and observation helpers ----------------------------------------------
+
+
+def example(i: int = 0) -> dict:
+    return {
+        "messages": [
+            {"role": "user", "content": f"What is {i} + {i}?"},
+            {"role": "assistant", "content": f"{i} + {i} = {2 * i}."},
+        ]
+    }
+
+
+def sft_body(n: int = 2, **config: Any) -> dict:
+    body: dict[str, Any] = {"examples": [example(i) for i in range(n)]}
+    body["config"] = {"epochs": 1, "lora_rank": 4, "lora_alpha": 8.0, **config}
+    return body
+
+
+def unique_name(prefix: str = "adapter") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def row_counts(engine) -> dict[str, int]:
+    """Rows in every table of the store."""
+    with engine.connect() as connection:
+        return {
+            t.name: int(connection.execute(select(func.count()).select_from(t)).scalar_one())
+            for t in Base.metadata.sorted_tables
+        }
+
+
+def broker_depth(client: redis.Redis, queue: str = QUEUE) -> int:
+    """Messages waiting in the queue (every priority sub-list kombu may use)."""
+    return sum(client.llen(key) for key in client.keys(f"{queue}*") if client.type(key) == b"list")
+
+
+def broker_task_ids(client: redis.Redis, queue: str = QUEUE) -> list[str]:
+    """The task ids (= job ids) of the queued messages, oldest first."""
+    import json
+
+    ids = []
+    for raw in reversed(client.lrange(queue, 0, -1)):  # kombu LPUSHes, workers BRPOP
+        ids.append(json.loads(raw)["headers"]["id"])
+    return ids
+
+
+def storage_listing(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def snapshot(engine, client: redis.Redis, storage: Path) -> dict:
+    """Everything a rejected request must leave unchanged."""
+    return {"rows": row_counts(engine), "broker": broker_depth(client), "files": storage_listing(storage)}
