@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import sys
 import tempfile
 import time
@@ -102,12 +103,22 @@ def conversation(rng: random.Random, target_tokens: int) -> dict:
     return row
 
 
-def report(label: str, seconds: float, result, timings: IngestionTimings) -> None:
+def cpu_seconds() -> float:
+    """User + system CPU time of this process, all threads (tokenizers encodes on a thread pool)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def report(label: str, seconds: float, cpu: float, result, timings: IngestionTimings) -> None:
     rows = len(result.rows)
     print(
         f"{label}: {rows} rows, {result.total_tokens} tokens "
         f"({result.total_tokens / rows:.0f}/row, max {result.max_seq_len}) in {seconds:.2f} s -> "
         f"{rows / seconds:,.0f} rows/s, {result.total_tokens / seconds:,.0f} tokens/s"
+    )
+    # Wall figures depend on what else the machine runs; CPU figures do not.
+    print(
+        f"  cpu {cpu:.2f} s ({cpu / seconds:.2f} cores busy) -> {result.total_tokens / cpu:,.0f} tokens per cpu-second"
     )
     accounted = timings.parse_hash + timings.render + timings.tokenize + timings.label
     print(
@@ -127,7 +138,9 @@ def main() -> int:
     t0 = time.perf_counter()
     tokenizer = build_tokenizer()
     training_template()
-    print(f"tokenizer build {time.perf_counter() - t0:.2f} s; cpus {os.cpu_count()}")
+    print(
+        f"tokenizer build {time.perf_counter() - t0:.2f} s; cpus {os.cpu_count()}; load {os.getloadavg()[0]:.1f}"
+    )
     rng = random.Random(args.seed)
     rows = [conversation(rng, args.tokens) for _ in range(args.rows)]
 
@@ -136,16 +149,16 @@ def main() -> int:
         path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
         print(f"dataset {path.stat().st_size / 1e6:.1f} MB")
         timings = IngestionTimings()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_seconds()
         result = ingest_jsonl(path, tokenizer=tokenizer, timings=timings)
-        report("ingest_jsonl", time.perf_counter() - t0, result, timings)
+        report("ingest_jsonl", time.perf_counter() - t0, cpu_seconds() - c0, result, timings)
         corpus = result.receipt["kept_corpus_sha256"]
         del result
 
     timings = IngestionTimings()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_seconds()
     result = ingest_examples(rows, tokenizer=tokenizer, timings=timings)
-    report("ingest_examples", time.perf_counter() - t0, result, timings)
+    report("ingest_examples", time.perf_counter() - t0, cpu_seconds() - c0, result, timings)
     assert result.receipt["kept_corpus_sha256"] == corpus, (
         "the two transports must agree on the data identity"
     )
