@@ -435,7 +435,13 @@ def ingest_jsonl(
     source_locator: str | None = None,
     timings: IngestionTimings | None = None,
 ) -> IngestionResult:
-    """Ingest a JSONL file (already resolved with `resolve_dataset_path` when it came from a request)."""
+    """Ingest a JSONL file (already resolved with `resolve_dataset_path` when it came from a request).
+
+    `source_locator` is what the receipt names (the request's `dataset_path`); default: the path.
+    """
     locator = source_locator if source_locator is not None else str(path)
     outcomes = iter_jsonl_outcomes(path, tokenizer=tokenizer, template=template, timings=timings)
-    return apply_invalid_row_policy(outcomes, policy, source, locator)
+    try:
+        return apply_invalid_row_policy(outcomes, policy, source, locator)
+    except OSError as exc:
+        raise invalid_request(f"cannot read dataset {locator!r}: {exc.strerror or exc}") from None

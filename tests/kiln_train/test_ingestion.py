@@ -502,3 +502,9 @@ def test_lone_surrogate_in_jsonl_is_invalid_json(qwen_tokenizer, tmp_path):
     outcome = _reject(qwen_tokenizer, tmp_path, line)
     assert outcome.reason == "invalid_json"
     assert outcome.row_sha256 == raw_row_sha256(line.encode())
+
+
+def test_unreadable_dataset_is_a_clear_error(qwen_tokenizer, tmp_path):
+    with pytest.raises(KilnError) as err:
+        ingest_jsonl(tmp_path / "gone.jsonl", tokenizer=qwen_tokenizer, source_locator="gone.jsonl")
+    assert "cannot read dataset 'gone.jsonl'" in reject_message(err.value)
