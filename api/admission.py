@@ -104,6 +104,21 @@ def admit_sft(svc: Services, body: object, idempotency_key: str | None) -> Admit
     request = parse_sft_request(body)  # (1)
     key = check_idempotency_key(idempotency_key)
     fingerprint = request_fingerprint(body)
+    try:
+        return _admit(svc, request, key, fingerprint)
+    except KilnError:
+        # A concurrent request with the same key may have committed after our replay check
+        # and is now what made this one fail (its adapter name, a queue slot): answer as a replay.
+        if key is None:
+            raise
+        with svc.sessions() as session:
+            replay = _replay(session, key, fingerprint)
+        if replay is None:
+            raise
+        return replay
+
+
+def _admit(svc: Services, request: SftRequest, key: str | None, fingerprint: str) -> Admitted:
     settings = svc.settings
     with svc.sessions() as session:
         if key is not None:  # (2)

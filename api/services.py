@@ -13,7 +13,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.metrics import Metrics
-from api.tokenizer_cache import TokenizerCache
+from api.tokenizer_cache import PROCESS_TOKENIZERS, TokenizerCache
 from kiln.settings import Settings
 from kiln.store import make_engine, session_factory
 
@@ -24,7 +24,7 @@ class Services:
     engine: Engine
     sessions: sessionmaker[Session]
     celery: Any  # celery.Celery, imported lazily by create_app
-    tokenizers: TokenizerCache = field(default_factory=TokenizerCache)
+    tokenizers: TokenizerCache = field(default_factory=lambda: PROCESS_TOKENIZERS)
     metrics: Metrics = field(default_factory=Metrics)
 
     @property

@@ -73,3 +73,7 @@ class TokenizerCache:
         tokenizer = Tokenizer.from_file(str(path))
         with self._lock:
             return self._tokenizers.setdefault(key, tokenizer)
+
+
+# One cache per process: every app built in it (tests build many) shares the loaded vocabularies.
+PROCESS_TOKENIZERS = TokenizerCache()
