@@ -202,24 +202,27 @@ def checkpoint_shapes(
 
 
 def _draw(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    """One tensor drawn from the initialisation this name calls for (see module docstring)."""
+    """One f32 tensor drawn from the initialisation this name calls for (see module docstring)."""
+    kw = {"generator": gen}
+    dev = gen.device
     if name.endswith(".A_log"):
-        return torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log()
+        return torch.empty(shape, device=dev).uniform_(1.0, 16.0, **kw).log()
     if name.endswith(".dt_bias") or name.endswith("linear_attn.norm.weight"):
-        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        return 1.0 + 0.1 * torch.randn(shape, device=dev, **kw)
     if name.endswith("conv1d.weight"):
         bound = 1.0 / math.sqrt(shape[-1])
-        return torch.empty(shape).uniform_(-bound, bound, generator=gen)
+        return torch.empty(shape, device=dev).uniform_(-bound, bound, **kw)
     if len(shape) == 1:  # every other vector is a (1+w) RMSNorm offset
-        return 0.1 * torch.randn(shape, generator=gen)
-    return 0.02 * torch.randn(shape, generator=gen)
+        return 0.1 * torch.randn(shape, device=dev, **kw)
+    return 0.02 * torch.randn(shape, device=dev, **kw)
 
 
 def random_tensors(
-    cfg: Qwen35Config, seed: int, dtype: torch.dtype = STORAGE_DTYPE
+    cfg: Qwen35Config, seed: int, dtype: torch.dtype = STORAGE_DTYPE, device: str | torch.device = "cpu"
 ) -> dict[str, torch.Tensor]:
-    """Every checkpoint tensor, drawn in sorted-name order from one CPU generator."""
-    gen = torch.Generator(device="cpu")
+    """Every checkpoint tensor, drawn in sorted-name order from one generator on `device`
+    (CPU draws are what checkpoints store; other devices give other, equally seeded, streams)."""
+    gen = torch.Generator(device=device)
     gen.manual_seed(int(seed))
     return {
         name: _draw(name, shape, gen).to(dtype).contiguous()

@@ -9,7 +9,7 @@ from kiln_train.model.delta_rule import (
     gated_delta_rule,
     recurrent_gated_delta_rule,
 )
-from kiln_train.model.loader import CheckpointError, load_model, load_state_into
+from kiln_train.model.loader import CheckpointError, load_model, load_state_into, load_tensors_into
 from kiln_train.model.lora import LORA_INIT_ALGORITHM, LoraSet, attach_lora, lora_key
 from kiln_train.model.qwen35 import Qwen35Model
 
@@ -23,6 +23,7 @@ __all__ = [
     "gated_delta_rule",
     "load_model",
     "load_state_into",
+    "load_tensors_into",
     "lora_key",
     "recurrent_gated_delta_rule",
     "segment_bounds",

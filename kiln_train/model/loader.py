@@ -89,11 +89,12 @@ def classify(key: str) -> tuple[str, str]:
     return "unknown", key
 
 
-def _plan(model: Qwen35Model, files: dict[str, Path]) -> tuple[dict[str, tuple[str, Path]], list[str]]:
+def _plan(model: Qwen35Model, keys) -> tuple[dict[str, str], list[str]]:
+    """Local buffer name -> checkpoint key for every base tensor, and the MTP keys seen."""
     expected = dict(model.named_buffers())
-    plan: dict[str, tuple[str, Path]] = {}
+    plan: dict[str, str] = {}
     mtp: list[str] = []
-    for key in sorted(files):
+    for key in sorted(keys):
         kind, local = classify(key)
         if kind == "vision":
             continue
@@ -105,8 +106,8 @@ def _plan(model: Qwen35Model, files: dict[str, Path]) -> tuple[dict[str, tuple[s
         if kind == "unknown" or local not in expected:
             raise CheckpointError(f"unexpected tensor {key!r} in the checkpoint", key)
         if local in plan:
-            raise CheckpointError(f"tensor {key!r} duplicates {plan[local][0]!r}", key)
-        plan[local] = (key, files[key])
+            raise CheckpointError(f"tensor {key!r} duplicates {plan[local]!r}", key)
+        plan[local] = key
     missing = [name for name in expected if name not in plan]
     if missing:
         shown = ", ".join(repr(m) for m in missing[:8])
@@ -115,10 +116,21 @@ def _plan(model: Qwen35Model, files: dict[str, Path]) -> tuple[dict[str, tuple[s
     return plan, mtp
 
 
+def _check(key: str, shape: tuple, kind: str, expected: tuple) -> None:
+    if shape != expected:
+        raise CheckpointError(f"tensor {key!r} has shape {shape}, expected {expected}", key)
+    if kind not in FLOAT_DTYPES:
+        raise CheckpointError(f"tensor {key!r} has unsupported dtype {kind}", key)
+
+
 def _set_buffer(model: torch.nn.Module, local: str, value: torch.Tensor) -> None:
     parent, _, leaf = local.rpartition(".")
     module = model.get_submodule(parent) if parent else model
     module._buffers[leaf] = value
+
+
+def _device_string(device: torch.device) -> str:
+    return "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
 
 
 def load_state_into(model: Qwen35Model, model_dir: str | Path, device: str | torch.device = "cpu") -> None:
@@ -126,25 +138,42 @@ def load_state_into(model: Qwen35Model, model_dir: str | Path, device: str | tor
     from safetensors import safe_open
 
     device = torch.device(device)
-    dtype = model.dtype
-    plan, mtp = _plan(model, checkpoint_files(Path(model_dir)))
+    files = checkpoint_files(Path(model_dir))
+    plan, mtp = _plan(model, files)
     expected = {name: tuple(buf.shape) for name, buf in model.named_buffers()}
     by_file: dict[Path, list[tuple[str, str]]] = defaultdict(list)
-    for local, (key, path) in plan.items():
-        by_file[path].append((local, key))
-    target = "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
+    for local, key in plan.items():
+        by_file[files[key]].append((local, key))
     for path, items in sorted(by_file.items()):
-        with safe_open(str(path), framework="pt", device=target) as f:
+        with safe_open(str(path), framework="pt", device=_device_string(device)) as f:
             for local, key in items:
-                view = f.get_slice(key)
-                shape, kind = tuple(view.get_shape()), view.get_dtype()
-                if shape != expected[local]:
-                    raise CheckpointError(
-                        f"tensor {key!r} has shape {shape}, expected {expected[local]}", key
-                    )
-                if kind not in FLOAT_DTYPES:
-                    raise CheckpointError(f"tensor {key!r} has unsupported dtype {kind}", key)
-                _set_buffer(model, local, f.get_tensor(key).to(dtype=dtype))
+                view = f.get_slice(key)  # header only: check before reading the data
+                _check(key, tuple(view.get_shape()), view.get_dtype(), expected[local])
+                _set_buffer(model, local, f.get_tensor(key).to(dtype=model.dtype))
+    model.mtp_tensor_names = mtp
+
+
+_TORCH_DTYPE_NAMES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+}
+
+
+def load_tensors_into(
+    model: Qwen35Model, tensors: dict[str, torch.Tensor], device: str | torch.device = "cpu"
+) -> None:
+    """Fill the base buffers from in-memory tensors under checkpoint keys (same rules as files)."""
+    device = torch.device(device)
+    plan, mtp = _plan(model, tensors)
+    expected = {name: tuple(buf.shape) for name, buf in model.named_buffers()}
+    for local, key in plan.items():
+        value = tensors[key]
+        _check(
+            key, tuple(value.shape), _TORCH_DTYPE_NAMES.get(value.dtype, str(value.dtype)), expected[local]
+        )
+        _set_buffer(model, local, value.to(device=device, dtype=model.dtype))
     model.mtp_tensor_names = mtp
 
 

@@ -161,3 +161,20 @@ def test_tensors_are_read_lazily_from_the_mapped_file(ckpt):
     with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
         view = f.get_slice("model.language_model.embed_tokens.weight")
         assert tuple(view.get_shape()) == (160, 64) and view.get_dtype() == "BF16"
+
+
+def test_in_memory_tensors_load_like_the_file(ckpt, reference_logits):
+    from kiln_train.model import Qwen35Model, load_tensors_into
+    from kiln_train.model_config import load_config
+
+    with torch.device("meta"):
+        model = Qwen35Model(load_config(ckpt))
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    load_tensors_into(model, tensors)
+    ids, ref = reference_logits
+    with torch.no_grad():
+        assert torch.equal(model.logits(ids), ref)
+    assert model.mtp_tensor_names == sorted(k for k in tensors if k.startswith("mtp."))
+    tensors.pop("model.language_model.norm.weight")
+    with pytest.raises(CheckpointError, match="norm.weight"):
+        load_tensors_into(model, tensors)
