@@ -178,3 +178,35 @@ def test_in_memory_tensors_load_like_the_file(ckpt, reference_logits):
     tensors.pop("model.language_model.norm.weight")
     with pytest.raises(CheckpointError, match="norm.weight"):
         load_tensors_into(model, tensors)
+
+
+PEAK_RSS_SCRIPT = """
+import sys, torch
+from kiln_train.model import load_model
+
+def kib(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+
+torch.zeros(1)
+base = kib("VmRSS")
+model = load_model(sys.argv[1])
+size = sum(b.numel() * b.element_size() for b in model.buffers())
+print(size, (kib("VmHWM") - base) * 1024)
+"""
+
+
+def test_loading_holds_the_weights_once(tmp_path):
+    """Peak RSS while loading ≈ the f32 model + the mapped bf16 file, never a second model copy."""
+    import subprocess
+    import sys
+
+    path = write_tiny_checkpoint(tmp_path, "tiny", seed=0, with_tokenizer=False)  # full vocab: 61 MiB in f32
+    out = subprocess.run(
+        [sys.executable, "-c", PEAK_RSS_SCRIPT, str(path)], capture_output=True, text=True, check=True
+    )
+    model_bytes, peak_delta = map(int, out.stdout.split())
+    file_bytes = (path / "model.safetensors").stat().st_size
+    assert model_bytes > 60 * 2**20
+    assert peak_delta < model_bytes + file_bytes + 16 * 2**20, (model_bytes, file_bytes, peak_delta)
