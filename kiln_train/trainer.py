@@ -1,0 +1,546 @@
+"""The native SFT trainer: `native_online_lora_v1` (seed 000 "Update contract").
+
+One admitted conversation is one microbatch is one optimizer step; `epochs × rows_kept` steps;
+each epoch visits every row once in the seed-derived order `kiln-py.epoch-order.v1`; the
+learning rate is constant; no clipping, warmup, schedule or accumulation. A non-finite loss fails
+the run (`nan_loss`); the optimizer refuses a step whose gradient set is not exactly the LoRA
+leaves. `train_sft` is the library entry point; the worker calls the same function.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kiln_train import checkpoint as ckpt
+from kiln_train.adapter import check_base_adapter
+from kiln_train.anomaly import anomaly_scan
+from kiln_train.canary import canary_status, run_smoke_test
+from kiln_train.errors import TrainingFailure
+from kiln_train.ingestion import IngestionResult, kept_corpus_sha256
+from kiln_train.loss import sft_loss
+from kiln_train.memory import estimate
+from kiln_train.model.checkpointing import segment_bounds
+from kiln_train.optim import build_optimizer
+from kiln_train.optim.state import decode_state, encode_state
+from kiln_train.provenance import git_state, json_sha256
+from kiln_train.receipt import RunFacts, build_receipt
+from kiln_train.resident import ResidentModel
+from kiln_train.sft_config import SftConfig
+from kiln_train.trainer_support import (
+    GradNormAccumulator,
+    StepReport,
+    TrainResult,
+    check_config_for_training,
+    classify_exception,
+    new_run_id,
+    peak_memory_bytes,
+    publish_success,
+    release_lora,
+    row_segments,
+    training_scope,
+    write_failed_receipt,
+)
+
+log = logging.getLogger(__name__)
+
+DIVERGENCE_RATIO, DIVERGENCE_MARGIN = 8.0, 5.0
+PLANNING_BOUNDARY_POLICY = {
+    "recompute_mode": "segments",
+    "recompute_threshold_tokens": None,
+    "anchor_stride": None,
+    "cache_target_bytes": None,
+}
+
+
+@dataclass
+class _Loop:
+    """Mutable progress of the main phase (what `sft_loop_state.json` serialises)."""
+
+    global_step: int = 0
+    epoch_index: int = 0
+    cursor: int = 0
+    loss_history: list[float] | None = None
+    epoch_loss_sum: float = 0.0
+    epoch_items: int = 0
+    first_epoch_loss: float | None = None
+    best_epoch_loss: float | None = None
+
+    def state(self, grads: GradNormAccumulator) -> ckpt.SftLoopState:
+        history = list(self.loss_history or [])
+        return ckpt.SftLoopState(
+            global_step=self.global_step,
+            epoch_index=self.epoch_index,
+            cursor_in_epoch=self.cursor,
+            loss_history=history,
+            last_loss=history[-1] if history else None,
+            current_epoch_loss_sum=self.epoch_loss_sum,
+            current_epoch_items=self.epoch_items,
+            first_epoch_loss=self.first_epoch_loss,
+            best_epoch_loss=self.best_epoch_loss,
+            lora_grad_norms=dict(grads.stats),
+        )
+
+
+def default_checkpoint_plan(config: SftConfig) -> dict:
+    return {"max_segments": config.grad_checkpoint_segments or 1, "auto": False, "budget_bytes": None}
+
+
+def per_row_plan(
+    resident: ResidentModel, config: SftConfig, ingestion: IngestionResult, plan: dict, route: str
+):
+    """Segments for every kept row, and the plan list whose digest the checkpoint binds."""
+    cfg = resident.config
+
+    def fits(seq_len: int, supervised: int, segments: int) -> bool:
+        b = estimate(
+            cfg,
+            max_seq_len=seq_len,
+            max_supervised_tokens=supervised,
+            lora_rank=config.lora_rank,
+            optimizer_kind=config.optimizer.kind,
+            num_segments=segments,
+            loss_route=route,
+            backend=resident.backend,
+            weights_resident=True,
+        )
+        return b.fits(int(plan["budget_bytes"]))
+
+    segments, entries = [], []
+    for row in ingestion.rows:
+        s = row_segments(plan, row.seq_len, row.supervised_tokens, fits)
+        segments.append(s)
+        entries.append(
+            {
+                "seq_len": row.seq_len,
+                "enabled": s > 1,
+                "num_segments": s,
+                "auto_configured": bool(plan.get("auto", False)),
+                "boundaries": [start for start, _ in segment_bounds(cfg.num_hidden_layers, s)],
+            }
+        )
+    return segments, entries
+
+
+def auxiliary_state(
+    resident: ResidentModel, config: SftConfig, ingestion: IngestionResult, route: str, plan_entries: list
+) -> dict:
+    """`auxiliary_state` of an SFT checkpoint (kiln-contract §5.3): everything resume must match."""
+    ident = resident.identity
+    precision = resident.backend.precision_policy(config.optimizer.kind)
+    return {
+        "loop_state_type": ckpt.SFT_LOOP_STATE_TYPE,
+        "model_config_sha256": ident["model_config_sha256"],
+        "tokenizer_config_sha256": ident["tokenizer_config_sha256"],
+        "chat_template_sha256": ident["chat_template_sha256"],
+        "training_chat_template_sha256": ident["training_chat_template_sha256"],
+        "base_model_weights_sha256": resident.base_weights_sha256,
+        "base_weight_shard_manifest": resident.shard_manifest,
+        "execution_provenance": resident.provenance,
+        "backend_runtime": {"backend": resident.backend.name, "device": resident.backend.device},
+        "kiln_train_version": resident.provenance["build"]["package_version"],
+        "gradient_checkpoint_plan_sha256": json_sha256(plan_entries),
+        "ingestion_receipt_sha256": json_sha256(ingestion.receipt),
+        "training_precision_policy": precision,
+        "training_runtime_planning_identity": {
+            "schema": ckpt.SFT_PLANNING_SCHEMA,
+            "sft_loss_route": route,
+            "checkpoint_boundary_policy": PLANNING_BOUNDARY_POLICY,
+            "runtime_device": resident.backend.device,
+        },
+        "valid_indices_sha256": json_sha256(sorted(r.row_index for r in ingestion.rows)),
+    }
+
+
+def verify_rows(ingestion: IngestionResult) -> None:
+    """Re-verify the admitted rows against their receipt before any training work."""
+    receipt = ingestion.receipt
+    hashes = [r.row_sha256 for r in ingestion.rows]
+    if not ingestion.rows or len(hashes) != receipt["rows_kept"] or hashes != receipt["kept_row_hashes"]:
+        raise TrainingFailure("data_schema_error", "the admitted rows do not match their ingestion receipt")
+    if kept_corpus_sha256(hashes) != receipt["kept_corpus_sha256"]:
+        raise TrainingFailure("data_schema_error", "the kept-corpus digest does not recompute")
+    for row in ingestion.rows:
+        if len(row.input_ids) != len(row.labels) or row.seq_len < 2 or row.supervised_tokens < 1:
+            raise TrainingFailure(
+                "zero_action_tokens", f"row {row.row_index} ({row.row_sha256}) has no supervised target"
+            )
+
+
+class SftRun:
+    """One call of `train_sft`: the state shared by the loop, checkpoints and publication."""
+
+    def __init__(self, resident, config, ingestion, *, loss_route, registry, adapter_name, plan, run_id):
+        self.resident = resident
+        self.config = config
+        self.ingestion = ingestion
+        self.route = loss_route
+        self.registry = Path(registry)
+        self.adapter_name = adapter_name
+        self.plan = plan
+        self.run_id = run_id
+        self.model = resident.model
+        self.device = torch.device(resident.backend.device)
+        self.n = len(ingestion.rows)
+        self.total_steps = config.epochs * self.n
+        self.loop = _Loop(loss_history=[])
+        self.grads = GradNormAccumulator()
+        self.checkpoints: list[dict] = []
+        self.lora = None
+        self.optimizer = None
+        self.segments: list[int] = []
+        self.aux: dict = {}
+
+    # ----- set-up ------------------------------------------------------------------------
+    def prepare(self, resume_checkpoint: Path | None) -> None:
+        from kiln_train.model import attach_lora
+
+        release_lora(self.model)  # a crashed earlier job must not leave its pairs attached
+        c = self.config
+        check_config_for_training(c, self.route, self.resident, int(self.plan.get("max_segments", 1)))
+        verify_rows(self.ingestion)
+        self.segments, entries = per_row_plan(self.resident, c, self.ingestion, self.plan, self.route)
+        self.aux = auxiliary_state(self.resident, c, self.ingestion, self.route, entries)
+        loaded = self._load_resume(resume_checkpoint) if resume_checkpoint is not None else None
+        self.lora = attach_lora(self.model, c.lora_rank, c.lora_alpha, c.seed)
+        if c.base_adapter is not None and loaded is None:
+            self._warm_start(c.base_adapter)
+        self.optimizer = build_optimizer(c.optimizer, self.lora.named_parameters(), c.learning_rate)
+        if loaded is not None:
+            self._restore(loaded)
+
+    def _warm_start(self, name: str) -> None:
+        path = self.registry / name
+        if "/" in name or not path.is_dir():
+            raise TrainingFailure(
+                "base_adapter_missing", f"base_adapter {name!r} is not an adapter in the registry"
+            )
+        tensors = check_base_adapter(path, self.resident.config, self.config.lora_rank)
+        dtype = next(p for _, p in self.lora.named_parameters()).dtype
+        self.lora.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
+
+    def _load_resume(self, path: Path) -> ckpt.LoadedCheckpoint:
+        loaded = ckpt.load_checkpoint(path, verify_hashes=True)
+        expected = ckpt.sft_resume_expectation(
+            config=self.config,
+            adapter_name=self.adapter_name,
+            precision_policy=self.resident.backend.precision_policy(self.config.optimizer.kind),
+            content_sha256=self.ingestion.receipt["kept_corpus_sha256"],
+            item_count=self.n,
+            auxiliary_state=self.aux,
+            requested_seed=self.config.seed,
+        )
+        ckpt.compare_for_resume(loaded.manifest, expected)
+        return loaded
+
+    def _restore(self, loaded: ckpt.LoadedCheckpoint) -> None:
+        from safetensors.torch import load as load_tensors
+
+        m = loaded.manifest
+        tensors = load_tensors(loaded.read_verified(ckpt.ADAPTER_FILE))
+        params = dict(self.lora.named_parameters())
+        if set(tensors) != set(params):
+            raise TrainingFailure("shape_mismatch", "checkpoint adapter tensors differ from the LoRA leaves")
+        for name, p in params.items():
+            t = tensors[name]
+            if t.shape != p.shape or t.dtype != p.dtype or not bool(torch.isfinite(t).all()):
+                raise TrainingFailure("shape_mismatch", f"checkpoint tensor {name} does not fit its leaf")
+        self.lora.load_state_dict(tensors, strict=True)
+        if m.state_files.optimizer_state is not None:
+            state = decode_state(loaded.read_verified(m.state_files.optimizer_state))
+            self.optimizer.load_state_tensors(state, global_step=m.progress.global_step)
+        self.optimizer.step_count = m.progress.global_step
+        ls = ckpt.parse_loop_state(loaded.read_verified(ckpt.LOOP_STATE_FILE))
+        self.loop = _Loop(
+            global_step=ls.global_step,
+            epoch_index=ls.epoch_index,
+            cursor=ls.cursor_in_epoch,
+            loss_history=list(ls.loss_history),
+            epoch_loss_sum=ls.current_epoch_loss_sum,
+            epoch_items=ls.current_epoch_items,
+            first_epoch_loss=ls.first_epoch_loss,
+            best_epoch_loss=ls.best_epoch_loss,
+        )
+        self.grads = GradNormAccumulator(dict(ls.lora_grad_norms))
+        log.info("resumed %s at global step %d", loaded.path.name, ls.global_step)
+
+    # ----- one step ----------------------------------------------------------------------
+    def step(self, row_pos: int) -> float:
+        row = self.ingestion.rows[row_pos]
+        ids = torch.tensor([row.input_ids], device=self.device)
+        labels = torch.tensor(row.labels, device=self.device)
+        named = self.lora.named_parameters()
+        with training_scope():
+            hidden = self.model.hidden_states(ids, num_segments=self.segments[row_pos])
+            loss = sft_loss(self.route, hidden, self.model.lm_head_weight, labels)
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise TrainingFailure(
+                    "nan_loss",
+                    f"non-finite loss {value} at global step {self.loop.global_step + 1} "
+                    f"(row {row.row_index}, {row.row_sha256})",
+                )
+            with anomaly_scan(loss, self.config.detect_anomaly):
+                loss.backward()
+        grads = {name: p.grad for name, p in named if p.grad is not None}
+        try:
+            self.optimizer.step(grads)
+            self.grads.add(grads)
+        finally:
+            for _, p in named:
+                p.grad = None
+        return value
+
+    # ----- the loop ------------------------------------------------------------------------
+    def run(self, progress, should_stop) -> None:
+        c, lp = self.config, self.loop
+        interval = c.checkpoint_interval
+        while lp.epoch_index < c.epochs:
+            order = ckpt.epoch_order(c.seed, lp.epoch_index, self.n)
+            while lp.cursor < self.n:
+                t0 = time.perf_counter()
+                row = self.ingestion.rows[order[lp.cursor]]
+                loss = self.step(order[lp.cursor])
+                lp.global_step += 1
+                lp.cursor += 1
+                lp.loss_history.append(loss)
+                lp.epoch_loss_sum += loss
+                lp.epoch_items += 1
+                report = StepReport(
+                    global_step=lp.global_step,
+                    total_steps=self.total_steps,
+                    epoch=lp.epoch_index,
+                    cursor=lp.cursor,
+                    loss=loss,
+                    step_ms=(time.perf_counter() - t0) * 1000.0,
+                    tokens=row.seq_len,
+                    supervised_tokens=row.supervised_tokens,
+                    learning_rate=c.learning_rate,
+                )
+                epoch_done = lp.cursor == self.n
+                if epoch_done:
+                    self._end_epoch()
+                saved = False
+                if interval and lp.global_step % interval == 0 and lp.global_step < self.total_steps:
+                    self.write_checkpoint()
+                    saved = True
+                if progress is not None:
+                    progress(report)
+                if should_stop is not None and lp.global_step < self.total_steps and should_stop():
+                    if not saved:
+                        self.write_checkpoint()
+                    raise TrainingFailure(
+                        "cancelled",
+                        f"training cancelled by user at global step {lp.global_step} of {self.total_steps}",
+                    )
+                if epoch_done:
+                    break
+
+    def _end_epoch(self) -> None:
+        lp = self.loop
+        avg = lp.epoch_loss_sum / self.n
+        if lp.first_epoch_loss is None:
+            lp.first_epoch_loss = avg
+        elif avg > lp.first_epoch_loss * DIVERGENCE_RATIO and avg - lp.best_epoch_loss > DIVERGENCE_MARGIN:
+            raise TrainingFailure(
+                "training_error",
+                f"divergence guard: epoch {lp.epoch_index + 1} mean loss {avg:.4f} exceeds "
+                f"{DIVERGENCE_RATIO:g}x the first epoch's {lp.first_epoch_loss:.4f} and the best epoch "
+                f"{lp.best_epoch_loss:.4f} by more than {DIVERGENCE_MARGIN:g}",
+            )
+        lp.best_epoch_loss = avg if lp.best_epoch_loss is None else min(lp.best_epoch_loss, avg)
+        lp.epoch_index += 1
+        lp.cursor = 0
+        lp.epoch_loss_sum = 0.0
+        lp.epoch_items = 0
+
+    # ----- checkpoints ----------------------------------------------------------------------
+    def write_checkpoint(self) -> ckpt.PublishedCheckpoint:
+        from safetensors.torch import save as save_tensors
+
+        c, lp = self.config, self.loop
+        t0 = time.perf_counter()
+        tensors = {k: v.detach().cpu().contiguous() for k, v in sorted(self.lora.state_dict().items())}
+        artifacts = {ckpt.ADAPTER_FILE: save_tensors(tensors, metadata={"format": "pt"})}
+        if c.optimizer.kind != "sgd":
+            artifacts[ckpt.OPTIMIZER_FILE] = encode_state(self.optimizer.state_tensors())
+        artifacts[ckpt.LOOP_STATE_FILE] = lp.state(self.grads).to_bytes()
+        finished = lp.epoch_index >= c.epochs
+        order = [] if finished else ckpt.epoch_order(c.seed, lp.epoch_index, self.n)
+        draft = ckpt.sft_manifest_draft(
+            config=c,
+            adapter_name=self.adapter_name,
+            precision_policy=self.resident.backend.precision_policy(c.optimizer.kind),
+            global_step=lp.global_step,
+            total_steps=self.total_steps,
+            epoch_index=lp.epoch_index,
+            cursor_in_epoch=lp.cursor,
+            data_order=order,
+            content_sha256=self.ingestion.receipt["kept_corpus_sha256"],
+            item_count=self.n,
+            auxiliary_state=self.aux,
+        )
+        published = ckpt.publish_checkpoint(self.registry, draft, artifacts)
+        record = {
+            "checkpoint_id": published.manifest.checkpoint_id,
+            "path": str(published.path),
+            "basename": published.path.name,
+            "global_step": lp.global_step,
+            "epoch_index": lp.epoch_index,
+            "cursor": lp.cursor,
+            "manifest_sha256": published.manifest_sha256,
+            "size_bytes": published.total_bytes,
+            "write_ms": (time.perf_counter() - t0) * 1000.0,
+        }
+        self.checkpoints.append(record)
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(record)
+        return published
+
+    on_checkpoint: Callable[[dict], None] | None = None
+
+
+def _facts(
+    resident: ResidentModel, config: SftConfig, ingestion: IngestionResult, route: str, name: str
+) -> RunFacts:
+    commit, dirty = git_state()
+    prov = resident.provenance
+    return RunFacts(
+        adapter_name=name,
+        config=config.to_json(),
+        learning_rate=float(config.learning_rate),
+        seed=int(config.seed),
+        rank=config.lora_rank,
+        alpha=config.lora_alpha,
+        epochs=config.epochs,
+        ingestion=ingestion.receipt,
+        loss_route=route,
+        training_precision=resident.backend.precision_policy(config.optimizer.kind),
+        execution_provenance=prov,
+        model_path=str(resident.model_dir),
+        model_identity=resident.identity,
+        base_weight_shard_manifest=resident.shard_manifest,
+        package_version=prov["build"]["package_version"],
+        git_commit=commit,
+        git_dirty=dirty,
+        env_config_hash=prov["configuration"]["effective_environment_sha256"],
+        tokens_per_epoch=ingestion.total_tokens,
+        supervised_per_epoch=ingestion.total_supervised_tokens,
+    )
+
+
+def train_sft(
+    resident: ResidentModel,
+    config: SftConfig,
+    ingestion: IngestionResult,
+    *,
+    loss_route: str,
+    output_root: str | Path,
+    adapter_name: str | None = None,
+    progress: Callable[[StepReport], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    checkpoint_plan: dict | None = None,
+    resume_checkpoint: str | Path | None = None,
+    on_checkpoint: Callable[[dict], None] | None = None,
+    run_id: str | None = None,
+) -> TrainResult:
+    """Train one LoRA adapter from admitted rows; publish the adapter or a failed receipt.
+
+    `config` must be the effective config (`SftConfig.resolve()`), `loss_route` the route pinned
+    at admission (it must equal the resident backend's). `resume_checkpoint` is a
+    `.kiln-checkpoint` directory; every identity it binds must match this run.
+    """
+    t0 = time.perf_counter()
+    run_id = run_id or new_run_id()
+    name = adapter_name or config.output_name or f"sft-{run_id[:8]}"
+    registry = Path(output_root)
+    device = resident.backend.device
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(torch.device(device))
+    facts = _facts(resident, config, ingestion, loss_route, name)
+    plan = checkpoint_plan or default_checkpoint_plan(config)
+    run = SftRun(
+        resident,
+        config,
+        ingestion,
+        loss_route=loss_route,
+        registry=registry,
+        adapter_name=name,
+        plan=plan,
+        run_id=run_id,
+    )
+    run.on_checkpoint = on_checkpoint
+    try:
+        run.prepare(Path(resume_checkpoint) if resume_checkpoint is not None else None)
+        run.run(progress, should_stop)
+        tensors = {k: v.detach().cpu().contiguous() for k, v in run.lora.state_dict().items()}
+        smoke = None
+        if config.adapter_smoke_test:
+            smoke = run_smoke_test(resident.model, resident.tokenizer, config.smoke_prompts())
+        _settle(facts, run, t0, device, smoke, epochs_done=config.epochs)
+        extra = (
+            {"adapter_canary_status.json": json.dumps(canary_status(smoke), indent=2).encode()}
+            if smoke
+            else None
+        )
+        parent = config.base_adapter
+        path, receipt = publish_success(
+            resident, facts, registry, tensors, parent_adapter=parent, extra_files=extra
+        )
+        return TrainResult(
+            status="success",
+            adapter_name=name,
+            adapter_path=path,
+            receipt=receipt,
+            receipt_path=path / "train_receipt.json",
+            global_step=run.loop.global_step,
+            total_steps=run.total_steps,
+            final_loss=run.loop.loss_history[-1] if run.loop.loss_history else None,
+            checkpoints=run.checkpoints,
+            peak_memory_bytes=facts.peak_memory_bytes,
+            wall_clock_ms=facts.wall_clock_ms,
+            loss_history=list(run.loop.loss_history),
+        )
+    except Exception as exc:  # every failure ends in a receipt; nothing half-published remains
+        reason, message = classify_exception(exc)
+        if not isinstance(exc, TrainingFailure):
+            log.exception("SFT run %s failed", run_id)
+        _settle(facts, run, t0, device, None, epochs_done=run.loop.epoch_index)
+        receipt = build_receipt(facts, status="failed", failure_reason=reason, failure_message=message)
+        path = write_failed_receipt(registry, name, run_id, receipt)
+        return TrainResult(
+            status="failed",
+            adapter_name=name,
+            adapter_path=None,
+            receipt=receipt,
+            receipt_path=path,
+            global_step=run.loop.global_step,
+            total_steps=run.total_steps,
+            final_loss=run.loop.loss_history[-1] if run.loop.loss_history else None,
+            failure_reason=reason,
+            failure_message=message,
+            checkpoints=run.checkpoints,
+            peak_memory_bytes=facts.peak_memory_bytes,
+            wall_clock_ms=facts.wall_clock_ms,
+            loss_history=list(run.loop.loss_history),
+        )
+    finally:
+        release_lora(resident.model)
+
+
+def _settle(
+    facts: RunFacts, run: SftRun, t0: float, device: str, smoke: dict | None, *, epochs_done: int
+) -> None:
+    facts.wall_clock_ms = int((time.perf_counter() - t0) * 1000)
+    facts.peak_memory_bytes = peak_memory_bytes(device)
+    facts.steps_completed = run.loop.global_step
+    facts.epochs_completed = epochs_done
+    facts.lora_grad_norms = run.grads.receipt_rows()
+    facts.adapter_smoke_test = smoke

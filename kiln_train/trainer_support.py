@@ -1,0 +1,228 @@
+"""Pieces of the SFT trainer that are not the loop: the training scope, step reports, results,
+gradient-norm statistics, segment planning per row, failure classification and publication.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import uuid
+from collections.abc import Callable
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kiln_train import adapter as adapter_io
+from kiln_train.backend import FULL_LOGITS
+from kiln_train.checkpoint import GradNormStats
+from kiln_train.errors import TrainingFailure
+from kiln_train.model_config import LORA_TARGET_MODULES
+from kiln_train.receipt import RunFacts, adapter_manifest, build_receipt
+from kiln_train.resident import ResidentModel
+from kiln_train.sft_config import MAX_LORA_ALPHA_OVER_RANK, SftConfig
+
+log = logging.getLogger(__name__)
+
+DIVERGENCE_RATIO, DIVERGENCE_MARGIN = 8.0, 5.0
+FAILED_RECEIPTS_DIR = ".failed"
+
+# The training scope (seed 000 "Tape authority"): set only inside forward/backward of a step.
+TRAINING_SCOPE: ContextVar[bool] = ContextVar("kiln_training_scope", default=False)
+
+
+@contextmanager
+def training_scope():
+    """Open the explicit training scope: gradients recorded, graph-preserving kernels only."""
+    token = TRAINING_SCOPE.set(True)
+    try:
+        with torch.enable_grad():
+            yield
+    finally:
+        TRAINING_SCOPE.reset(token)
+
+
+@dataclass(frozen=True)
+class StepReport:
+    global_step: int
+    total_steps: int
+    epoch: int
+    cursor: int
+    loss: float
+    step_ms: float
+    tokens: int
+    supervised_tokens: int
+    learning_rate: float
+
+
+@dataclass
+class TrainResult:
+    status: str  # "success" | "failed"
+    adapter_name: str
+    adapter_path: Path | None
+    receipt: dict
+    receipt_path: Path
+    global_step: int
+    total_steps: int
+    final_loss: float | None
+    failure_reason: str | None = None
+    failure_message: str | None = None
+    checkpoints: list[dict] = field(default_factory=list)
+    peak_memory_bytes: int | None = None
+    wall_clock_ms: int = 0
+    loss_history: list[float] = field(default_factory=list)
+
+
+class GradNormAccumulator:
+    """Per-target-module statistics of ‖(∇A, ∇B)‖ over every step and projection."""
+
+    def __init__(self, state: dict[str, GradNormStats] | None = None) -> None:
+        self.stats: dict[str, GradNormStats] = dict(state or {})
+
+    def add(self, named_grads: dict[str, torch.Tensor]) -> None:
+        pair_sq: dict[str, torch.Tensor] = {}
+        for name, g in named_grads.items():
+            base = name.rsplit(".lora_", 1)[0]
+            sq = g.double().pow(2).sum()
+            pair_sq[base] = pair_sq[base] + sq if base in pair_sq else sq
+        norms = torch.stack(list(pair_sq.values())).sqrt().tolist()
+        for base, norm in zip(pair_sq, norms, strict=True):
+            target = base.rsplit(".", 1)[1]
+            prev = self.stats.get(target)
+            self.stats[target] = GradNormStats.first(norm) if prev is None else prev.add(norm)
+
+    def receipt_rows(self) -> list[dict]:
+        rows = []
+        for target in LORA_TARGET_MODULES:
+            s = self.stats.get(target)
+            if s is not None:
+                rows.append(
+                    {
+                        "module": target,
+                        "sample_count": s.sample_count,
+                        "min": s.min,
+                        "mean": s.mean,
+                        "max": s.max,
+                    }
+                )
+        return rows
+
+
+def release_lora(model) -> None:
+    """Detach whatever LoRA set is attached, leaving the resident base model as loaded."""
+    lora = getattr(model, "lora", None)
+    if lora is not None:
+        lora.remove(model)
+
+
+def row_segments(
+    plan: dict, seq_len: int, supervised: int, estimate_fits: Callable[[int, int, int], bool]
+) -> int:
+    """Segments for one row: the smallest count within the pinned plan whose bound fits."""
+    max_s = int(plan.get("max_segments", 1))
+    if not plan.get("auto", False) or plan.get("budget_bytes") is None:
+        return max_s
+    for s in range(1, max_s + 1):
+        if estimate_fits(seq_len, supervised, s):
+            return s
+    return max_s
+
+
+def peak_memory_bytes(device: str) -> int:
+    if device.startswith("cuda"):
+        return int(torch.cuda.max_memory_allocated(torch.device(device)))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def classify_exception(exc: BaseException) -> tuple[str, str]:
+    """Map an exception raised inside the loop to a receipt failure category."""
+    if isinstance(exc, TrainingFailure):
+        return exc.reason, exc.message
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower():
+        return "oom", text
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return "oom", text
+    return "training_error", text
+
+
+def check_config_for_training(
+    config: SftConfig, loss_route: str, resident: ResidentModel, max_segments: int
+) -> None:
+    """The trainer's own re-check of the invariants admission already enforced."""
+    if loss_route != resident.backend.sft_loss_route:
+        raise TrainingFailure(
+            "unsupported_loss_config",
+            f"pinned SFT loss route {loss_route!r} differs from the resident backend's "
+            f"{resident.backend.sft_loss_route!r}; the job is not run under another algorithm",
+        )
+    if loss_route == FULL_LOGITS and max_segments > 1:
+        raise TrainingFailure(
+            "unsupported_loss_config",
+            f"loss route full_logits cannot run with {max_segments} gradient-checkpoint segments",
+        )
+    if config.lora_alpha / config.lora_rank > MAX_LORA_ALPHA_OVER_RANK and not config.allow_high_lora_scale:
+        raise TrainingFailure(
+            "unsafe_lora_scale",
+            f"unsafe LoRA scaling: alpha/rank = {config.lora_alpha / config.lora_rank:g} exceeds "
+            f"{MAX_LORA_ALPHA_OVER_RANK:g} without allow_high_lora_scale",
+        )
+    if config.train_mtp:
+        raise TrainingFailure("unsupported_loss_config", "train_mtp is not supported by this trainer")
+    if config.seed is None or config.learning_rate is None:
+        raise TrainingFailure("training_error", "train_sft needs an effective config (SftConfig.resolve())")
+
+
+def failed_receipt_path(registry: Path, adapter_name: str, run_id: str) -> Path:
+    return registry / FAILED_RECEIPTS_DIR / adapter_name / f"{run_id}.train_receipt.json"
+
+
+def write_failed_receipt(registry: Path, adapter_name: str, run_id: str, receipt: dict) -> Path:
+    path = failed_receipt_path(registry, adapter_name, run_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(adapter_io.json_bytes(receipt))
+    tmp.replace(path)
+    return path
+
+
+def publish_success(
+    resident: ResidentModel,
+    facts: RunFacts,
+    registry: Path,
+    tensors: dict,
+    *,
+    parent_adapter: str | None,
+    extra_files: dict[str, bytes] | None = None,
+) -> tuple[Path, dict]:
+    scale = facts.alpha / facts.rank
+    holder: dict = {}
+
+    def _receipt(output: dict) -> dict:
+        holder["receipt"] = build_receipt(
+            facts,
+            status="success",
+            output=output,
+            lora_delta_norms=adapter_io.lora_delta_norms(tensors, scale),
+        )
+        return holder["receipt"]
+
+    path = adapter_io.publish_adapter(
+        registry,
+        facts.adapter_name,
+        tensors,
+        rank=facts.rank,
+        alpha=facts.alpha,
+        build_receipt=_receipt,
+        build_manifest=lambda receipt, hashes: adapter_manifest(
+            receipt, hashes, parent_adapter=parent_adapter
+        ),
+        extra_files=extra_files,
+    )
+    return path, holder["receipt"]
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]

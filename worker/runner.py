@@ -1,0 +1,57 @@
+"""What a resident runner publishes about itself in the `runners` table.
+
+The api admits only against this row: the backend and loss route it owns, its optimizer support
+report, its execution identity digest, the model config (for memory admission) and free memory.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from kiln_train.memory import cpu_available_bytes
+from kiln_train.optimizer_support import optimizer_support_report
+from kiln_train.resident import ResidentModel
+
+
+def device_memory(device: str) -> tuple[int | None, int | None]:
+    """(free, total) bytes of the resident device; CPU: MemAvailable and MemTotal."""
+    if device.startswith("cuda"):
+        import torch
+
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        return int(free), int(total)
+    total = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    total = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return cpu_available_bytes(), total
+
+
+def runner_registration(resident: ResidentModel) -> dict:
+    """Keyword arguments of `kiln.store.register_runner` for this resident model."""
+    backend = resident.backend
+    free, total = device_memory(backend.device)
+    return {
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "backend": backend.name,
+        "device": backend.device,
+        "base_weight_dtype": backend.base_weight_dtype,
+        "lora_dtype": backend.lora_dtype,
+        "loss_route": backend.sft_loss_route,
+        "optimizer_support": optimizer_support_report(backend, resident.config),
+        "execution_identity_digest": resident.execution_identity_digest,
+        "model_path": str(resident.model_dir),
+        "model_config": {
+            **resident.config.to_dict(),
+            "identity": resident.identity,
+            "base_weights_sha256": resident.base_weights_sha256,
+        },
+        "free_memory_bytes": free,
+        "total_memory_bytes": total,
+    }
