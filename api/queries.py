@@ -13,34 +13,65 @@ from sqlalchemy.orm import Session
 from kiln.store import Admission, Job, Runner, states, utcnow
 
 
+def _summary_columns() -> list:
+    # Only the receipt's counters are read (in SQL): the receipt itself lists every kept row's
+    # hash and grows with the dataset.
+    receipt = Admission.ingestion_receipt
+    return [
+        Admission.data_source,
+        Admission.dataset_path,
+        Admission.kept_corpus_sha256,
+        receipt["rows_read"].as_integer().label("rows_read"),
+        receipt["rows_rejected"].as_integer().label("rows_rejected"),
+        Admission.checkpoint_plan["max_segments"].as_integer().label("max_segments"),
+        Admission.memory_estimate_bytes,
+    ]
+
+
+def _summary(row) -> dict | None:
+    if row.data_source is None:  # no admission row (outer join)
+        return None
+    return {
+        "data_source": row.data_source,
+        "dataset_path": row.dataset_path,
+        "kept_corpus_sha256": row.kept_corpus_sha256,
+        "rows_read": row.rows_read,
+        "rows_rejected": row.rows_rejected,
+        "max_segments": row.max_segments,
+        "memory_estimate_bytes": row.memory_estimate_bytes,
+    }
+
+
 def admission_summaries(session: Session, job_ids: list[str]) -> dict[str, dict]:
-    """For each job: where its data came from, the admitted corpus digest, rows and the
-    effective config's `auto_load`, in one query (no per-job round trips)."""
+    """For each job: where its data came from, the admitted corpus digest, row counters, the
+    segment plan and the memory estimate, in one query (no per-job round trips)."""
     if not job_ids:
         return {}
-    rows = session.execute(
-        select(
-            Admission.job_id,
-            Admission.data_source,
-            Admission.dataset_path,
-            Admission.kept_corpus_sha256,
-            Admission.ingestion_receipt,
-            Admission.checkpoint_plan,
-            Admission.memory_estimate_bytes,
-        ).where(Admission.job_id.in_(job_ids))
+    rows = session.execute(select(Admission.job_id, *_summary_columns()).where(Admission.job_id.in_(job_ids)))
+    return {row.job_id: _summary(row) for row in rows}
+
+
+def job_with_summary(session: Session, job_id: str) -> tuple[Job, dict | None] | None:
+    """A tracked job and its admission summary in one round trip (None when absent or deleted)."""
+    query = (
+        select(Job, *_summary_columns())
+        .outerjoin(Admission, Admission.job_id == Job.id)
+        .where(Job.id == job_id, Job.deleted_at.is_(None))
     )
-    return {
-        row.job_id: {
-            "data_source": row.data_source,
-            "dataset_path": row.dataset_path,
-            "kept_corpus_sha256": row.kept_corpus_sha256,
-            "rows_read": row.ingestion_receipt.get("rows_read"),
-            "rows_rejected": row.ingestion_receipt.get("rows_rejected"),
-            "checkpoint_plan": row.checkpoint_plan,
-            "memory_estimate_bytes": row.memory_estimate_bytes,
-        }
-        for row in rows
-    }
+    row = session.execute(query).first()
+    return None if row is None else (row[0], _summary(row))
+
+
+def queue_position_of(session: Session, job: Job) -> int | None:
+    """1-based FIFO position of a job already loaded (one COUNT; None when not queued)."""
+    if job.state != states.QUEUED:
+        return None
+    ahead = session.execute(
+        select(func.count())
+        .select_from(Job)
+        .where(Job.state == states.QUEUED, Job.queue_seq < job.queue_seq, Job.deleted_at.is_(None))
+    ).scalar_one()
+    return int(ahead) + 1
 
 
 def active_jobs_for_adapter(session: Session, name: str) -> list[str]:

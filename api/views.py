@@ -104,7 +104,7 @@ def training_response(job: Job, summary: dict, message: str) -> schemas.Training
         rows_kept=job.rows_kept,
         rows_rejected=summary.get("rows_rejected") or 0,
         total_steps=job.total_steps,
-        grad_checkpoint_segments=summary["checkpoint_plan"]["max_segments"],
+        grad_checkpoint_segments=summary["max_segments"],
         memory_estimate_gb=round(summary["memory_estimate_bytes"] / GIB, 4),
     )
 

@@ -10,7 +10,7 @@ from flask import Blueprint, Response
 from api import schemas
 from api.errors import TRAINING_JOB_ACTIVE, ApiError
 from api.http import json_list_response, json_response, query_int, services
-from api.queries import admission_summaries
+from api.queries import admission_summaries, job_with_summary, queue_position_of
 from api.views import event_out, job_detail, training_status
 from kiln.store import (
     InvalidTransition,
@@ -20,13 +20,12 @@ from kiln.store import (
     list_events,
     list_jobs,
     loss_history,
-    queue_position,
     queue_positions,
     require_job,
-    states,
     utcnow,
 )
 from kiln.store.events import MAX_EVENT_PAGE
+from kiln_train.errors import TRAINING_JOB_NOT_FOUND, KilnError
 
 bp = Blueprint("jobs", __name__)
 
@@ -50,9 +49,11 @@ def list_status() -> Response:
 def job_status(job_id: str) -> Response:
     """One job's `TrainingStatus`; 404 `training_job_not_found`."""
     with services().sessions() as session:
-        job = require_job(session, job_id)
-        summary = admission_summaries(session, [job_id]).get(job_id)
-        position = queue_position(session, job_id) if job.state == states.QUEUED else None
+        found = job_with_summary(session, job_id)
+        if found is None:
+            raise KilnError(TRAINING_JOB_NOT_FOUND, f"no training job {job_id!r}")
+        job, summary = found
+        position = queue_position_of(session, job)
     return json_response(training_status(job, summary, position))
 
 
@@ -64,7 +65,7 @@ def job_detail_view(job_id: str) -> Response:
         job = require_job(session, job_id)
         admission = get_admission(session, job_id)
         summary = admission_summaries(session, [job_id]).get(job_id)
-        position = queue_position(session, job_id) if job.state == states.QUEUED else None
+        position = queue_position_of(session, job)
         steps = loss_history(session, job_id)
         checkpoint = latest_checkpoint(session, job_id)
     latest = Path(checkpoint.path) if checkpoint is not None else None
