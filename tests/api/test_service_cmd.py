@@ -109,3 +109,16 @@ def test_serve_runs_gunicorn_and_answers_health(tmp_path):
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
     assert server.returncode == 0
+
+
+def test_serve_allows_a_public_bind_when_told_to(tmp_path):
+    # The bind check passes; start-up then stops at the (unmigrated) schema check instead.
+    result = CliRunner().invoke(
+        cli, ["serve", "--host", "0.0.0.0", "--allow-unauthenticated-remote"], env=_env(tmp_path)
+    )
+    assert result.exit_code == 2
+    assert "loopback" not in result.output and "kiln db upgrade" in result.output
+    tokens = CliRunner().invoke(
+        cli, ["serve", "--host", "0.0.0.0"], env={**_env(tmp_path), "KILN_SERVER_API_TOKENS": "t1"}
+    )
+    assert tokens.exit_code == 2 and "kiln db upgrade" in tokens.output

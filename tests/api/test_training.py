@@ -448,3 +448,20 @@ def test_body_must_be_an_object(client, runner):
 def test_broker_queue_is_the_configured_one(client, broker, runner):
     client.post("/v1/train/sft", json=sft_body(1))
     assert broker.llen(QUEUE) == 1
+
+
+def test_embedded_default_broker_receives_the_message(storage, db_url, engine, sessions, runner):
+    """With no broker configured the api publishes to the SQLite broker under the storage root."""
+    import sqlite3
+
+    settings = make_settings(storage, db_url)
+    settings = settings.model_copy(update={"queue": settings.queue.model_copy(update={"broker_url": None})})
+    app = create_app(settings)
+    try:
+        response = app.test_client().post("/v1/train/sft", json=sft_body(1))
+        assert response.status_code == 200
+        assert _job(sessions, response.get_json()["job_id"]).published_at is not None
+        with sqlite3.connect(storage / "broker.db") as broker_db:
+            assert broker_db.execute("SELECT count(*) FROM kombu_message").fetchone() == (1,)
+    finally:
+        app.extensions["kiln"].close()
