@@ -17,9 +17,12 @@ TRAIN_SFT_TASK = "kiln.train_sft"
 
 def celery_config(settings: Settings) -> dict:
     vt = settings.queue.visibility_timeout_s
-    transport = {"visibility_timeout": vt}
+    url = settings.broker_url
+    # The visibility timeout is a Redis (and SQS) notion; kombu's SQLAlchemy transport passes
+    # transport options straight to create_engine, so it gets none.
+    transport = {"visibility_timeout": vt} if url.startswith(("redis", "rediss", "sqs")) else {}
     return {
-        "broker_url": settings.broker_url,
+        "broker_url": url,
         "broker_connection_retry_on_startup": True,
         "broker_transport_options": transport,
         "result_backend": None,

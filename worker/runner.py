@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
+from pathlib import Path
 
 from kiln_train.memory import cpu_available_bytes
 from kiln_train.optimizer_support import optimizer_support_report
 from kiln_train.resident import ResidentModel
+
+# Touched by the worker's heartbeat thread; `kiln health worker` reads its age.
+HEARTBEAT_FILE = Path(tempfile.gettempdir()) / "kiln-worker.heartbeat"
 
 
 def device_memory(device: str) -> tuple[int | None, int | None]:

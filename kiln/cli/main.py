@@ -15,6 +15,7 @@ COMMAND_MODULES = (
     "kiln.cli.model_cmd",
     "kiln.cli.qualify_cmd",
     "kiln.cli.service_cmd",
+    "kiln.cli.worker_cmd",
     "kiln.cli.client_cmd",
     "kiln.cli.demo_cmd",
 )

@@ -1,0 +1,152 @@
+"""Re-verification at dequeue (seed 000 "Admission and execution binding", kiln-contract §1.5).
+
+After any queue wait, and before any memory reservation or model work, the worker compares every
+fact admission pinned with what it actually holds: the loss route, the optimizer tuple, the
+execution identity, the seed, the resume checkpoint and the data (re-ingested; the receipt must
+be identical). Any difference fails the job with `plan_drift`; the worker never runs "close
+enough".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kiln.settings import Settings
+from kiln_train import checkpoint as ckpt
+from kiln_train.errors import KilnError
+from kiln_train.ingestion import IngestionResult, ingest_examples, ingest_jsonl, resolve_dataset_path
+from kiln_train.optimizer_support import check_optimizer_tuple
+from kiln_train.provenance import json_sha256
+from kiln_train.resident import ResidentModel
+from kiln_train.sft_config import SftConfig, parse_sft_config
+
+PLAN_DRIFT = "plan_drift"
+PLAN_DRIFT_CODE = "training_plan_drift"
+
+
+class PlanDrift(Exception):
+    """A pinned admission fact no longer holds; the job fails before any GPU work."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+@dataclass(frozen=True)
+class PinnedJob:
+    """Plain copies of the job and admission columns the worker needs (no ORM objects)."""
+
+    job_id: str
+    adapter_name: str
+    effective_seed: str
+    resume_checkpoint: str | None
+    loss_route: str
+    execution_identity_digest: str
+    effective_config: dict
+    checkpoint_plan: dict
+    ingestion_receipt_sha256: str
+    kept_corpus_sha256: str
+    data_source: str
+    examples: list | None
+    dataset_path: str | None
+    memory_estimate_bytes: int
+    recorded_checkpoints: dict  # basename -> manifest sha256 (from the job's checkpoints rows)
+
+
+@dataclass(frozen=True)
+class VerifiedWork:
+    config: SftConfig
+    ingestion: IngestionResult
+    resume_path: Path | None
+    checkpoint_plan: dict
+
+
+def verify_plan(pinned: PinnedJob, resident: ResidentModel, settings: Settings) -> VerifiedWork:
+    """Every pinned fact, in the contract's order; raises PlanDrift naming the field."""
+    backend = resident.backend
+    if pinned.loss_route != backend.sft_loss_route:
+        raise PlanDrift(
+            "loss_route",
+            f"admission pinned {pinned.loss_route!r} but the resident backend executes "
+            f"{backend.sft_loss_route!r}",
+        )
+    if pinned.execution_identity_digest != resident.execution_identity_digest:
+        raise PlanDrift(
+            "execution_identity",
+            f"admission pinned {pinned.execution_identity_digest} but this runner is "
+            f"{resident.execution_identity_digest} (model, code, runtime or configuration changed)",
+        )
+    try:
+        config = parse_sft_config(pinned.effective_config)
+    except KilnError as exc:
+        raise PlanDrift("effective_config", exc.message) from None
+    try:
+        check_optimizer_tuple(backend, resident.config, config.optimizer.kind, config.lora_rank)
+    except KilnError as exc:
+        raise PlanDrift("optimizer_tuple", exc.message) from None
+    if config.seed is None or str(config.seed) != pinned.effective_seed:
+        raise PlanDrift(
+            "seed", f"effective config seed {config.seed} differs from the job's {pinned.effective_seed}"
+        )
+    if config.learning_rate is None:
+        raise PlanDrift("learning_rate", "the pinned effective config has no resolved learning rate")
+    resume = _verify_resume(pinned, config, settings)
+    ingestion = _reingest(pinned, resident, settings, config.invalid_row_policy)
+    return VerifiedWork(config, ingestion, resume, dict(pinned.checkpoint_plan))
+
+
+def _verify_resume(pinned: PinnedJob, config: SftConfig, settings: Settings) -> Path | None:
+    name = pinned.resume_checkpoint
+    if name is None:
+        return None
+    path = settings.adapters_dir / name
+    try:
+        loaded = ckpt.load_checkpoint(path, verify_hashes=True)
+    except KilnError as exc:
+        raise PlanDrift("resume_checkpoint", exc.message) from None
+    pin = pinned.checkpoint_plan.get("resume_from")
+    try:
+        if pin is not None and pin.get("checkpoint") == name:
+            ckpt.verify_queued_checkpoint(
+                loaded,
+                checkpoint_id=pin["checkpoint_id"],
+                manifest_sha256=pin["manifest_sha256"],
+                seed=config.seed,
+            )
+        else:  # a reconciler resume: the checkpoint must be one this job recorded
+            recorded = pinned.recorded_checkpoints.get(name)
+            if recorded is None or recorded.removeprefix("sha256:") != loaded.manifest_sha256:
+                raise PlanDrift(
+                    "resume_checkpoint", f"{name} is not a checkpoint recorded by job {pinned.job_id}"
+                )
+            if loaded.manifest.seed != config.seed:
+                raise PlanDrift("seed", f"checkpoint seed {loaded.manifest.seed} differs from {config.seed}")
+    except KilnError as exc:
+        raise PlanDrift("resume_checkpoint", exc.message) from None
+    return path
+
+
+def _reingest(pinned: PinnedJob, resident: ResidentModel, settings: Settings, policy: str) -> IngestionResult:
+    common = {"tokenizer": resident.tokenizer, "template": resident.template, "policy": policy}
+    try:
+        if pinned.data_source == "examples":
+            ingestion = ingest_examples(list(pinned.examples or []), **common)
+        else:
+            path = resolve_dataset_path(pinned.dataset_path, settings.datasets_dir)
+            ingestion = ingest_jsonl(path, source_locator=pinned.dataset_path, **common)
+    except KilnError as exc:
+        raise PlanDrift("data", f"re-ingestion failed: {exc.message}") from None
+    if ingestion.receipt["kept_corpus_sha256"] != pinned.kept_corpus_sha256:
+        raise PlanDrift(
+            "data.kept_corpus_sha256",
+            f"re-ingested corpus {ingestion.receipt['kept_corpus_sha256']} differs from the admitted "
+            f"{pinned.kept_corpus_sha256} (the dataset file changed after admission)",
+        )
+    digest = json_sha256(ingestion.receipt)
+    if digest != pinned.ingestion_receipt_sha256:
+        raise PlanDrift(
+            "data.ingestion_receipt_sha256",
+            f"re-ingestion produced receipt {digest}, admission pinned {pinned.ingestion_receipt_sha256}",
+        )
+    return ingestion
