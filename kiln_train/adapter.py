@@ -176,17 +176,86 @@ def publish_adapter(
 
 
 def read_adapter(path: Path) -> tuple[dict, dict]:
-    """(adapter_config, tensors) of a PEFT adapter directory."""
-    from safetensors.torch import load_file
+    """(adapter_config, tensors) of a PEFT adapter directory.
+
+    A missing directory or file is `base_adapter_missing`; unreadable JSON or safetensors bytes
+    are `adapter_load_failed` (the adapter exists but is corrupt).
+    """
+    from safetensors.torch import load as load_tensors
 
     cfg_path, model_path = path / ADAPTER_CONFIG, path / ADAPTER_MODEL
     if not cfg_path.is_file() or not model_path.is_file():
         raise TrainingFailure("base_adapter_missing", f"{path} is not a PEFT adapter directory")
-    return json.loads(cfg_path.read_text(encoding="utf-8")), load_file(str(model_path))
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TrainingFailure("adapter_load_failed", f"{cfg_path} is not readable JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise TrainingFailure("adapter_load_failed", f"{cfg_path} is not a JSON object")
+    try:
+        tensors = load_tensors(model_path.read_bytes())
+    except Exception as exc:  # safetensors raises its own error types for every malformed file
+        raise TrainingFailure(
+            "adapter_load_failed", f"{model_path} is not a readable safetensors file: {exc}"
+        ) from None
+    return cfg, tensors
 
 
-def check_base_adapter(path: Path, config: Qwen35Config, rank: int) -> dict:
-    """Validate a warm-start adapter against the model and the run's rank; returns its tensors."""
+def check_adapter_provenance(
+    path: Path, *, model_config_sha256: str | None, base_weights_sha256: str | None
+) -> None:
+    """When the adapter carries `adapter_manifest.json`, it must describe these files and this base.
+
+    A plain PEFT adapter (no manifest) is accepted on shapes alone; a Kiln adapter whose manifest
+    disagrees with its own files or names another model config or base-weight content is refused.
+    """
+    manifest_path = path / ADAPTER_MANIFEST
+    if not manifest_path.is_file():
+        return
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TrainingFailure("adapter_load_failed", f"{manifest_path} is not readable JSON: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise TrainingFailure("adapter_load_failed", f"{manifest_path} is not a JSON object")
+    if manifest.get("safetensors_hash") != file_digest(path / ADAPTER_MODEL):
+        raise TrainingFailure(
+            "adapter_load_failed",
+            f"base adapter {path.name}: adapter_model.safetensors does not match its manifest's safetensors_hash",
+        )
+    if model_config_sha256 is not None and manifest.get("model_config_hash") not in (
+        None,
+        model_config_sha256,
+    ):
+        raise TrainingFailure(
+            "adapter_load_failed",
+            f"base adapter {path.name} was trained on another model config: model_config_hash "
+            f"{manifest.get('model_config_hash')}, resident {model_config_sha256}",
+        )
+    shards = manifest.get("base_weight_shard_manifest")
+    theirs = shards.get("aggregate_sha256") if isinstance(shards, dict) else None
+    if base_weights_sha256 is not None and theirs is not None and theirs != base_weights_sha256:
+        raise TrainingFailure(
+            "adapter_load_failed",
+            f"base adapter {path.name} was trained on other base weights: "
+            f"base_weight_shard_manifest.aggregate_sha256 {theirs}, resident {base_weights_sha256}",
+        )
+
+
+def check_base_adapter(
+    path: Path,
+    config: Qwen35Config,
+    rank: int,
+    *,
+    model_config_sha256: str | None = None,
+    base_weights_sha256: str | None = None,
+) -> dict:
+    """Validate a warm-start adapter against the model and the run's rank; returns its tensors.
+
+    Checks, in order: not an exact checkpoint, readable files, LoRA type, rank, target set, the
+    exact A/B key set with PEFT shapes, finite values, and (given the resident digests) the
+    provenance its `adapter_manifest.json` records.
+    """
     if path.name.endswith(".kiln-checkpoint"):
         raise TrainingFailure(
             "adapter_load_failed",
@@ -197,7 +266,10 @@ def check_base_adapter(path: Path, config: Qwen35Config, rank: int) -> dict:
         raise TrainingFailure(
             "adapter_load_failed", f"base adapter peft_type {cfg.get('peft_type')} is not LORA"
         )
-    if int(cfg.get("r", -1)) != rank:
+    r = cfg.get("r")
+    if isinstance(r, bool) or not isinstance(r, int):
+        raise TrainingFailure("adapter_load_failed", f"base adapter config has no integer rank r (got {r!r})")
+    if r != rank:
         raise TrainingFailure(
             "shape_mismatch", f"base adapter rank {cfg.get('r')} differs from lora_rank {rank}"
         )
@@ -222,8 +294,13 @@ def check_base_adapter(path: Path, config: Qwen35Config, rank: int) -> dict:
             raise TrainingFailure(
                 "shape_mismatch", f"base adapter {key} has shape {tuple(t.shape)}, want {shape}"
             )
-        if not bool(t.float().isfinite().all()):
-            raise TrainingFailure("adapter_load_failed", f"base adapter {key} has non-finite values")
+        if not t.is_floating_point() or not bool(t.float().isfinite().all()):
+            raise TrainingFailure(
+                "adapter_load_failed", f"base adapter {key} is not a finite floating-point tensor"
+            )
+    check_adapter_provenance(
+        path, model_config_sha256=model_config_sha256, base_weights_sha256=base_weights_sha256
+    )
     return tensors
 
 

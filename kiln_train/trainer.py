@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from kiln_train import checkpoint as ckpt
-from kiln_train.adapter import check_base_adapter
+from kiln_train.adapter import adapter_identity, check_adapter_name, check_base_adapter
 from kiln_train.anomaly import anomaly_scan
 from kiln_train.canary import canary_status, run_smoke_test
-from kiln_train.errors import TrainingFailure
+from kiln_train.errors import ADAPTER_ALREADY_EXISTS, KilnError, TrainingFailure, invalid_request
 from kiln_train.ingestion import IngestionResult, kept_corpus_sha256
 from kiln_train.loss import sft_loss
 from kiln_train.memory import estimate
@@ -197,6 +197,7 @@ class SftRun:
         self.optimizer = None
         self.segments: list[int] = []
         self.aux: dict = {}
+        self.base_adapter_identity: dict | None = None
 
     # ----- set-up ------------------------------------------------------------------------
     def prepare(self, resume_checkpoint: Path | None) -> None:
@@ -204,6 +205,13 @@ class SftRun:
 
         release_lora(self.model)  # a crashed earlier job must not leave its pairs attached
         c = self.config
+        if (self.registry / self.adapter_name).exists():
+            # Names are immutable: discover the clash now, not after the whole run.
+            raise TrainingFailure(
+                "training_error",
+                f"{ADAPTER_ALREADY_EXISTS}: adapter {self.adapter_name!r} already exists in "
+                f"{self.registry}; adapter names are never overwritten",
+            )
         check_config_for_training(c, self.route, self.resident, int(self.plan.get("max_segments", 1)))
         verify_rows(self.ingestion)
         self.segments, entries = per_row_plan(self.resident, c, self.ingestion, self.plan, self.route)
@@ -217,12 +225,26 @@ class SftRun:
             self._restore(loaded)
 
     def _warm_start(self, name: str) -> None:
+        """Start from a PEFT adapter's tensors: a new run (fresh optimizer, step 0), not a resume."""
+        try:
+            check_adapter_name(name)
+        except KilnError:
+            raise TrainingFailure(
+                "base_adapter_missing", f"base_adapter {name!r} is not an adapter name"
+            ) from None
         path = self.registry / name
-        if "/" in name or not path.is_dir():
+        if not path.is_dir():
             raise TrainingFailure(
                 "base_adapter_missing", f"base_adapter {name!r} is not an adapter in the registry"
             )
-        tensors = check_base_adapter(path, self.resident.config, self.config.lora_rank)
+        tensors = check_base_adapter(
+            path,
+            self.resident.config,
+            self.config.lora_rank,
+            model_config_sha256=self.resident.identity["model_config_sha256"],
+            base_weights_sha256=self.resident.base_weights_sha256,
+        )
+        self.base_adapter_identity = adapter_identity(path)
         dtype = next(p for _, p in self.lora.named_parameters()).dtype
         self.lora.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
 
@@ -323,6 +345,8 @@ class SftRun:
                     tokens=row.seq_len,
                     supervised_tokens=row.supervised_tokens,
                     learning_rate=c.learning_rate,
+                    item=order[lp.cursor - 1],
+                    row_index=row.row_index,
                 )
                 epoch_done = lp.cursor == self.n
                 if epoch_done:
@@ -460,6 +484,13 @@ def train_sft(
     t0 = time.perf_counter()
     run_id = run_id or new_run_id()
     name = adapter_name or config.output_name or f"sft-{run_id[:8]}"
+    # Caller errors, raised before anything is written: a bad name cannot even place a failed
+    # receipt safely, and an unresolved config has no learning rate or seed to record.
+    check_adapter_name(name)
+    if config.seed is None or config.learning_rate is None:
+        raise invalid_request(
+            "train_sft needs the effective config (SftConfig.resolve()): seed and learning_rate"
+        )
     registry = Path(output_root)
     device = resident.backend.device
     if device.startswith("cuda"):
@@ -544,3 +575,5 @@ def _settle(
     facts.epochs_completed = epochs_done
     facts.lora_grad_norms = run.grads.receipt_rows()
     facts.adapter_smoke_test = smoke
+    if run.base_adapter_identity is not None:
+        facts.base_adapter = run.base_adapter_identity

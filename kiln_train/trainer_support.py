@@ -55,6 +55,8 @@ class StepReport:
     tokens: int
     supervised_tokens: int
     learning_rate: float
+    item: int | None = None  # position of the row among the kept rows (what the epoch order permutes)
+    row_index: int | None = None  # the row's source number (1-based, as ingestion counts rows)
 
 
 @dataclass
