@@ -35,15 +35,17 @@ class Reconciler:
         done["republished"] += self._republish()
         return done
 
-    def _republish(self) -> int:
+    def _republish(self, job_ids: list[str] | None = None) -> int:
+        """Publish committed jobs whose message never went out (or `job_ids`, just requeued)."""
         rt = self.runtime
         if rt.celery is None:
             return 0
-        cutoff = store.utcnow() - timedelta(seconds=PUBLISH_GRACE_SECONDS)
-        with rt.factory.begin() as s:
-            pending = [j.id for j in store.unpublished_jobs(s, older_than=cutoff)]
+        if job_ids is None:
+            cutoff = store.utcnow() - timedelta(seconds=PUBLISH_GRACE_SECONDS)
+            with rt.factory.begin() as s:
+                job_ids = [j.id for j in store.unpublished_jobs(s, older_than=cutoff)]
         count = 0
-        for job_id in pending:
+        for job_id in job_ids:
             try:
                 publish_job(rt.celery, job_id, rt.settings.queue.queue_name)
             except Exception:
@@ -57,7 +59,7 @@ class Reconciler:
 
     def _expire_leases(self, done: dict) -> int:
         rt = self.runtime
-        failed = 0
+        failed, requeued = 0, []
         with rt.factory.begin() as s:
             expired = [(j.id, j.attempts, j.cancel_requested) for j in store.expired_leases(s)]
         for job_id, attempts, cancel in expired:
@@ -68,6 +70,7 @@ class Reconciler:
                 with rt.factory.begin() as s:
                     if resume is not None:
                         store.requeue_for_resume(s, job_id, resume)
+                        requeued.append(job_id)
                         done["resumed"] += 1
                         log.warning("job %s: worker lost; requeued from %s", job_id, resume)
                     else:
@@ -76,6 +79,7 @@ class Reconciler:
                         log.warning("job %s: worker lost; no resumable checkpoint", job_id)
             except store.InvalidTransition:
                 continue  # another reconciler (or the worker itself) moved it first
+        self._republish(requeued)  # our own transition: no api publish to race
         return failed
 
     def _resumable(self, job_id: str) -> str | None:

@@ -1,0 +1,58 @@
+"""Fixtures for the worker tests: the api's store/broker/model fixtures plus a resident runtime.
+
+Jobs are admitted through the real api (Flask test client) so the worker sees exactly what
+production admission pins; the runtime runs them in-process (`run_job`), or real `kiln serve`
+and `kiln worker` processes do (test_e2e.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.api.conftest import (  # noqa: F401  (fixtures re-exported for this package)
+    broker,
+    db_url,
+    engine,
+    make_settings,
+    runner_kwargs,
+    sessions,
+    storage,
+    tiny_model_dir,
+)
+
+
+@pytest.fixture(scope="session")
+def resident(tiny_model_dir):
+    from kiln_train.resident import load_resident
+
+    return load_resident(tiny_model_dir)
+
+
+@pytest.fixture
+def settings(storage, db_url, engine, broker):
+    return make_settings(storage, db_url, training={"lease_seconds": 30, "max_attempts": 3})
+
+
+@pytest.fixture
+def app(settings):
+    from api import create_app
+
+    app = create_app(settings)
+    yield app
+    app.extensions["kiln"].close()
+
+
+@pytest.fixture
+def client(app):
+    return app.test_client()
+
+
+@pytest.fixture
+def runtime(settings, resident):
+    from worker.celery_app import make_celery
+    from worker.runtime import WorkerRuntime
+
+    rt = WorkerRuntime(settings, resident, celery=make_celery(settings), worker_id="worker-test")
+    rt.start(threads=False)
+    yield rt
+    rt.stop()

@@ -1,0 +1,223 @@
+"""The resident worker runtime against the real store (SQLite and Postgres) and a real broker.
+
+Jobs are admitted through the api; `run_job` is what the Celery task calls for a doorbell.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import pytest
+from safetensors.torch import load_file
+from sqlalchemy import update
+
+from kiln import store
+from kiln.store import states
+from kiln.store.models import Admission, Job
+from tests.api.conftest import broker_task_ids, sft_body, unique_name
+
+
+def submit(client, body) -> str:
+    response = client.post("/v1/train/sft", json=body)
+    assert response.status_code == 200, response.get_json()
+    return response.get_json()["job_id"]
+
+
+def job_row(sessions, job_id):
+    with sessions() as s:
+        return store.get_job(s, job_id, include_deleted=True)
+
+
+def event_kinds(sessions, job_id) -> list[str]:
+    with sessions() as s:
+        events, _ = store.list_events(s, job_id, limit=1000)
+        return [e.kind for e in events]
+
+
+def steps(sessions, job_id) -> list[int]:
+    with sessions() as s:
+        return [row.global_step for row in store.loss_history(s, job_id)]
+
+
+def test_job_runs_to_completion_and_records_everything(client, runtime, sessions, settings):
+    name = unique_name("done")
+    job_id = submit(client, sft_body(3, epochs=2, checkpoint_interval=2, output_name=name, seed=11))
+    assert runtime.run_job(job_id) == "completed"
+
+    job = job_row(sessions, job_id)
+    assert job.state == states.COMPLETED and job.failure_reason is None
+    assert job.global_step == job.total_steps == 6
+    assert job.final_loss is not None and job.receipt["status"] == "success"
+    assert job.adapter_path == str(settings.adapters_dir / name)
+    assert steps(sessions, job_id) == [1, 2, 3, 4, 5, 6]
+    kinds = event_kinds(sessions, job_id)
+    assert kinds[:3] == ["queued", "started", "plan_verified"]
+    assert kinds.count("epoch_complete") == 2 and kinds.count("checkpoint_saved") == 2
+    assert kinds[-1] == "completed"
+    with sessions() as s:
+        adapter = store.get_adapter(s, name)
+        assert adapter is not None and adapter.job_id == job_id and adapter.rank == 4
+        assert [c.global_step for c in store.list_checkpoints(s, job_id)] == [2, 4]
+    files = sorted(p.name for p in (settings.adapters_dir / name).iterdir())
+    assert files == [
+        "adapter_config.json",
+        "adapter_manifest.json",
+        "adapter_model.safetensors",
+        "train_receipt.json",
+    ]
+    # A redelivered doorbell for a finished job is dropped and changes nothing.
+    assert runtime.run_job(job_id) == "dropped"
+    assert job_row(sessions, job_id).attempts == 1
+
+
+def _tamper(sessions, job_id, **admission) -> None:
+    with sessions.begin() as s:
+        s.execute(update(Admission).where(Admission.job_id == job_id).values(**admission))
+
+
+@pytest.mark.parametrize(
+    ("tamper", "field"),
+    [
+        ({"loss_route": "full_logits"}, "loss_route"),
+        ({"execution_identity_digest": "sha256:" + "0" * 64}, "execution_identity"),
+        ({"kept_corpus_sha256": "sha256:" + "1" * 64}, "data.kept_corpus_sha256"),
+    ],
+)
+def test_pinned_plan_drift_fails_before_any_training(client, runtime, sessions, settings, tamper, field):
+    name = unique_name("drift")
+    job_id = submit(client, sft_body(2, output_name=name))
+    _tamper(sessions, job_id, **tamper)
+    assert runtime.run_job(job_id) == "failed"
+    job = job_row(sessions, job_id)
+    assert job.state == states.FAILED and job.failure_reason == "plan_drift"
+    assert job.error_code == "training_plan_drift" and job.error_message.startswith(field)
+    assert steps(sessions, job_id) == []
+    assert not (settings.adapters_dir / name).exists()
+    assert "plan_verified" not in event_kinds(sessions, job_id)
+
+
+def test_dataset_changed_after_admission_is_plan_drift(client, runtime, sessions, settings):
+    data = settings.datasets_dir / "rows.jsonl"
+    data.parent.mkdir(parents=True, exist_ok=True)
+    rows = sft_body(3)["examples"]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    body = {"dataset_path": "rows.jsonl", "config": sft_body(1)["config"]}
+    job_id = submit(client, body)
+    rows[1]["messages"][1]["content"] = "an edited answer"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    assert runtime.run_job(job_id) == "failed"
+    job = job_row(sessions, job_id)
+    assert job.failure_reason == "plan_drift" and "dataset file changed" in job.error_message
+
+
+def test_cancelled_queued_job_never_starts(client, runtime, sessions):
+    job_id = submit(client, sft_body(2))
+    response = client.delete(f"/v1/train/queue/{job_id}")
+    assert response.status_code == 200 and response.get_json()["status"] == "cancelled"
+    assert runtime.run_job(job_id) == "dropped"
+    job = job_row(sessions, job_id)
+    assert job.state == states.FAILED and job.failure_reason == "cancelled"
+    assert job.started_at is None and steps(sessions, job_id) == []
+
+
+def test_cancelled_running_job_stops_at_a_step_boundary_with_a_checkpoint(
+    client, runtime, sessions, settings
+):
+    name = unique_name("cancel")
+    job_id = submit(client, sft_body(4, epochs=3, output_name=name))
+    original = runtime._on_step
+
+    def on_step(jid, report):
+        original(jid, report)
+        if report.global_step == 3:
+            assert client.delete(f"/v1/train/queue/{jid}").get_json()["status"] == "cancelling"
+
+    runtime._on_step = on_step
+    assert runtime.run_job(job_id) == "failed"
+    job = job_row(sessions, job_id)
+    assert job.failure_reason == "cancelled" and job.global_step == 4  # the flag is seen after step 4's write
+    assert job.receipt["status"] == "failed" and job.receipt["failure_reason"] == "cancelled"
+    assert job.latest_checkpoint == f"{name}-checkpoint-step-00000004.kiln-checkpoint"
+    assert (settings.adapters_dir / job.latest_checkpoint / "checkpoint_manifest.json").is_file()
+    assert not (settings.adapters_dir / name).exists()
+
+
+def test_worker_shutdown_releases_the_job_and_the_resume_is_bit_exact(
+    client, runtime, sessions, settings, broker
+):
+    """A warm shutdown mid-job checkpoints, requeues, and the resumed run equals a straight run."""
+    straight, resumed = unique_name("straight"), unique_name("resumed")
+    config = {"epochs": 2, "seed": 1234, "checkpoint_interval": 100, "optimizer": {"kind": "adam_w"}}
+    straight_id = submit(client, sft_body(3, output_name=straight, **config))
+    assert runtime.run_job(straight_id) == "completed"
+
+    job_id = submit(client, sft_body(3, output_name=resumed, **config))
+    original = runtime._on_step
+
+    def on_step(jid, report):
+        original(jid, report)
+        if report.global_step == 4:
+            runtime.request_shutdown()
+
+    runtime._on_step = on_step
+    assert runtime.run_job(job_id) == "requeued"
+    job = job_row(sessions, job_id)
+    assert job.state == states.QUEUED and job.resume_checkpoint.endswith("step-00000004.kiln-checkpoint")
+    assert job_id in broker_task_ids(broker, settings.queue.queue_name)  # republished by the reconciler
+
+    runtime._on_step = original
+    runtime.shutdown.clear()
+    assert runtime.run_job(job_id) == "completed"
+    job = job_row(sessions, job_id)
+    assert job.attempts == 2 and steps(sessions, job_id) == list(range(1, 7))
+    a = load_file(str(settings.adapters_dir / straight / "adapter_model.safetensors"))
+    b = load_file(str(settings.adapters_dir / resumed / "adapter_model.safetensors"))
+    assert a.keys() == b.keys()
+    assert all(a[k].equal(b[k]) for k in a)
+    with sessions() as s:
+        history_a = [r.loss for r in store.loss_history(s, straight_id)]
+        history_b = [r.loss for r in store.loss_history(s, job_id)]
+    assert history_a == history_b
+
+
+def test_expired_lease_without_checkpoint_fails_worker_lost(client, runtime, sessions):
+    job_id = submit(client, sft_body(2))
+    with sessions.begin() as s:
+        assert store.claim_job(s, job_id, "dead-worker", lease_seconds=30) is not None
+        s.execute(
+            update(Job).where(Job.id == job_id).values(lease_expires_at=store.utcnow() - timedelta(seconds=1))
+        )
+    done = runtime.reconciler.run_once()
+    assert done["failed"] == 1
+    job = job_row(sessions, job_id)
+    assert job.state == states.FAILED and job.failure_reason == "worker_lost"
+    assert runtime.run_job(job_id) == "dropped"
+
+
+def test_unpublished_job_is_published_by_the_reconciler(client, app, runtime, sessions, settings, broker):
+    class BrokenBroker:
+        def send_task(self, *args, **kwargs):
+            raise ConnectionError("broker down")
+
+    app.extensions["kiln"].celery = BrokenBroker()
+    job_id = submit(client, sft_body(2))
+    assert broker_task_ids(broker, settings.queue.queue_name) == []
+    with sessions.begin() as s:  # older than the reconciler's publish grace period
+        s.execute(
+            update(Job).where(Job.id == job_id).values(submitted_at=store.utcnow() - timedelta(minutes=1))
+        )
+    assert runtime.reconciler.run_once()["republished"] == 1
+    assert broker_task_ids(broker, settings.queue.queue_name) == [job_id]
+    assert job_row(sessions, job_id).published_at is not None
+    assert "republished" in event_kinds(sessions, job_id)
+
+
+def test_a_job_past_its_delivery_budget_fails(client, runtime, sessions, settings):
+    job_id = submit(client, sft_body(2))
+    with sessions.begin() as s:
+        s.execute(update(Job).where(Job.id == job_id).values(attempts=settings.training.max_attempts))
+    assert runtime.run_job(job_id) == "dropped"
+    job = job_row(sessions, job_id)
+    assert job.state == states.FAILED and job.failure_reason == "worker_lost"
+    assert "gave up" in job.error_message and steps(sessions, job_id) == []
