@@ -22,7 +22,8 @@ BASE_MODEL_CONTENT = "kiln.base-model-content.v1"
 EXECUTION_PROVENANCE = "kiln.execution-provenance.v1"
 KERNEL_CONTRACT = "kiln.kernel-contract.v1"
 SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PRIVATE", "AUTH", "CREDENTIAL")
-PACKAGE_ROOTS = ("kiln", "kiln_train", "api", "worker", "migrations")
+# Only the training library defines what executes; an api or docs change is not a new identity.
+PACKAGE_ROOTS = ("kiln_train",)
 
 
 def sha256_prefixed(data: bytes) -> str:
@@ -107,14 +108,14 @@ def _package_version() -> str:
 
 @lru_cache(maxsize=1)
 def source_tree_sha256() -> str:
-    """Digest of every .py file of the project's packages (path + content), in path order."""
+    """Digest of every .py/.jinja file of the training library (path + content), in path order."""
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256(b"kiln-py.source-tree.v1\0")
     for pkg in PACKAGE_ROOTS:
         base = root / pkg
         if not base.is_dir():
             continue
-        for p in sorted(base.rglob("*.py")):
+        for p in sorted(q for q in base.rglob("*") if q.suffix in (".py", ".jinja")):
             rel = p.relative_to(root).as_posix().encode()
             data = p.read_bytes()
             h.update(len(rel).to_bytes(8, "big") + rel + len(data).to_bytes(8, "big") + data)
@@ -172,7 +173,6 @@ def execution_provenance(
 ) -> dict:
     """`kiln.execution-provenance.v1`; `provenance_sha256` covers every other field."""
     versions = runtime_versions()
-    commit, dirty = git_state()
     kernels = {
         "contract_type": KERNEL_CONTRACT,
         "versions": versions,
@@ -193,9 +193,9 @@ def execution_provenance(
             "package_version": _package_version(),
             "target": f"{platform.machine()}-{sys.platform}-cpython{sys.version_info[0]}{sys.version_info[1]}",
             "executable_sha256": file_digest(sys.executable) if os.path.isfile(sys.executable) else None,
-            "git_commit": commit,
+            # git commit/dirtiness live in the receipt's `kiln` section: they change with any commit
+            # (docs, api) and would turn every deploy into identity drift for queued jobs.
             "source_tree_sha256": source_tree_sha256(),
-            "source_dirty": dirty,
         },
         "model": model,
         "precision": {"inference_dtype": backend["base_weight_dtype"], "training_policy": training_policy},

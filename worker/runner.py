@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import os
 import socket
-import tempfile
 from pathlib import Path
 
 from kiln_train.memory import cpu_available_bytes
 from kiln_train.optimizer_support import optimizer_support_report
 from kiln_train.resident import ResidentModel
 
-# Touched by the worker's heartbeat thread; `kiln health worker` reads its age.
-HEARTBEAT_FILE = Path(tempfile.gettempdir()) / "kiln-worker.heartbeat"
+
+def heartbeat_file(settings) -> Path:
+    """Touched by the worker's heartbeat thread; `kiln health worker` reads its age."""
+    return settings.storage_root / "run" / f"worker-{socket.gethostname()}.heartbeat"
 
 
 def device_memory(device: str) -> tuple[int | None, int | None]:

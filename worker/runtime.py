@@ -24,7 +24,7 @@ from kiln_train.resident import ResidentModel
 from kiln_train.trainer import train_sft
 from kiln_train.trainer_support import StepReport, TrainResult
 from worker.reconciler import Reconciler
-from worker.runner import HEARTBEAT_FILE, device_memory, runner_registration
+from worker.runner import device_memory, heartbeat_file, runner_registration
 from worker.verify import PLAN_DRIFT, PLAN_DRIFT_CODE, PinnedJob, PlanDrift, verify_plan
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,9 @@ class WorkerRuntime:
         self.shutdown.set()
 
     def touch_heartbeat_file(self) -> None:
-        HEARTBEAT_FILE.write_text(f"{self.worker_id} {time.time():.3f}\n", encoding="ascii")
+        path = heartbeat_file(self.settings)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{self.worker_id} {time.time():.3f}\n", encoding="ascii")
 
     def _heartbeat_loop(self) -> None:
         period = self.settings.training.heartbeat_seconds

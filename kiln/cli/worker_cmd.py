@@ -100,17 +100,19 @@ def run_worker(settings) -> None:
 
 def register_health_worker(health: click.Group) -> None:
     @health.command("worker")
+    @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="Path to kiln.toml.")
     @click.option(
         "--max-age", type=float, default=60.0, show_default=True, help="Seconds since the last heartbeat."
     )
-    def health_worker(max_age: float) -> None:
-        """Exit 0 when this container's worker wrote its heartbeat file within --max-age seconds."""
-        from worker.runner import HEARTBEAT_FILE
+    def health_worker(config_file: str | None, max_age: float) -> None:
+        """Exit 0 when this host's worker wrote its heartbeat file within --max-age seconds."""
+        from worker.runner import heartbeat_file
 
+        path = heartbeat_file(load_or_exit(config_file).settings)
         try:
-            age = time.time() - HEARTBEAT_FILE.stat().st_mtime
+            age = time.time() - path.stat().st_mtime
         except FileNotFoundError:
-            click.echo(f"unhealthy: no heartbeat file at {HEARTBEAT_FILE}", err=True)
+            click.echo(f"unhealthy: no heartbeat file at {path}", err=True)
             sys.exit(1)
         if age > max_age:
             click.echo(f"unhealthy: last heartbeat {age:.0f}s ago (> {max_age:.0f}s)", err=True)

@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (fixtures imported from tests.api.conftest are used as parameters below)
 """Fixtures for the worker tests: the api's store/broker/model fixtures plus a resident runtime.
 
 Jobs are admitted through the real api (Flask test client) so the worker sees exactly what
