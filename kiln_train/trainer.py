@@ -226,6 +226,12 @@ class SftRun:
 
     def _warm_start(self, name: str) -> None:
         """Start from a PEFT adapter's tensors: a new run (fresh optimizer, step 0), not a resume."""
+        if name.endswith(ckpt.CHECKPOINT_SUFFIX):
+            raise TrainingFailure(
+                "adapter_load_failed",
+                f"base_adapter {name!r} is an exact training checkpoint, not a PEFT adapter; "
+                "continue it with resume_checkpoint",
+            )
         try:
             check_adapter_name(name)
         except KilnError:
