@@ -3,13 +3,16 @@ a live runner registered from a tiny Qwen3.5 model, and the app with its test cl
 
 Each module runs against both databases (`db_url` is parametrised per module, Postgres gets a
 fresh database that is dropped afterwards and fails, not skips, when unreachable). The broker is
-Redis db 11 (flushed before each test), queue `kiln-api-test`.
+Redis db 11 with a queue of its own per test (`kiln-api-test-<random>`, deleted afterwards), so
+test runs in parallel never see each other's messages.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +26,6 @@ from kiln.store import Base, make_engine, register_runner, session_factory
 from tests.kiln.test_store_support import BACKENDS, clear_tables, migrated_database
 
 REDIS_URL = "redis://127.0.0.1:6379/11"
-QUEUE = "kiln-api-test"
 RUNNER_ID = "runner-test"
 
 
@@ -69,12 +71,33 @@ def sessions(engine):
     return session_factory(engine)
 
 
+@dataclass
+class Broker:
+    """The test's own queue on the Redis broker."""
+
+    client: redis.Redis
+    queue: str
+
+    def keys(self) -> list[bytes]:
+        return list(self.client.scan_iter(match=f"{self.queue}*"))
+
+    def depth(self) -> int:
+        """Messages waiting in the queue (every priority sub-list kombu may use)."""
+        return sum(self.client.llen(k) for k in self.keys() if self.client.type(k) == b"list")
+
+    def task_ids(self) -> list[str]:
+        """The task ids (= job ids) of the queued messages, oldest first."""
+        raw = reversed(self.client.lrange(self.queue, 0, -1))  # kombu LPUSHes, workers BRPOP
+        return [json.loads(message)["headers"]["id"] for message in raw]
+
+
 @pytest.fixture
-def broker() -> redis.Redis:
+def broker() -> Iterator[Broker]:
     client = redis.Redis.from_url(REDIS_URL)
-    client.flushdb()
-    yield client
-    client.flushdb()
+    broker = Broker(client, f"kiln-api-test-{uuid.uuid4().hex[:10]}")
+    yield broker
+    for key in client.scan_iter(match=f"*{broker.queue}*"):  # the queue and kombu's bindings
+        client.delete(key)
     client.close()
 
 
@@ -85,11 +108,11 @@ def storage(tmp_path) -> Path:
     return root
 
 
-def make_settings(storage: Path, db_url: str, **sections: dict) -> Settings:
+def make_settings(storage: Path, db_url: str, queue_name: str, **sections: dict) -> Settings:
     values: dict[str, Any] = {
         "storage": {"root": str(storage)},
         "database": {"url": db_url},
-        "queue": {"broker_url": REDIS_URL, "queue_name": QUEUE},
+        "queue": {"broker_url": REDIS_URL, "queue_name": queue_name},
         "training": {"max_queued_jobs": 64, "max_tracked_jobs": 256},
     }
     for name, overrides in sections.items():
@@ -99,7 +122,7 @@ def make_settings(storage: Path, db_url: str, **sections: dict) -> Settings:
 
 @pytest.fixture
 def settings(storage, db_url, engine, broker) -> Settings:
-    return make_settings(storage, db_url)
+    return make_settings(storage, db_url, broker.queue)
 
 
 @pytest.fixture
@@ -153,25 +176,10 @@ def row_counts(engine) -> dict[str, int]:
         }
 
 
-def broker_depth(client: redis.Redis, queue: str = QUEUE) -> int:
-    """Messages waiting in the queue (every priority sub-list kombu may use)."""
-    return sum(client.llen(key) for key in client.keys(f"{queue}*") if client.type(key) == b"list")
-
-
-def broker_task_ids(client: redis.Redis, queue: str = QUEUE) -> list[str]:
-    """The task ids (= job ids) of the queued messages, oldest first."""
-    import json
-
-    ids = []
-    for raw in reversed(client.lrange(queue, 0, -1)):  # kombu LPUSHes, workers BRPOP
-        ids.append(json.loads(raw)["headers"]["id"])
-    return ids
-
-
 def storage_listing(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
 
 
-def snapshot(engine, client: redis.Redis, storage: Path) -> dict:
+def snapshot(engine, broker: Broker, storage: Path) -> dict:
     """Everything a rejected request must leave unchanged."""
-    return {"rows": row_counts(engine), "broker": broker_depth(client), "files": storage_listing(storage)}
+    return {"rows": row_counts(engine), "broker": broker.depth(), "files": storage_listing(storage)}

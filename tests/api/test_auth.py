@@ -13,7 +13,7 @@ TOKENS = ["token-one", "token-two"]
 
 @pytest.fixture
 def secured(storage, db_url, engine, broker):
-    app = create_app(make_settings(storage, db_url, server={"api_tokens": TOKENS}))
+    app = create_app(make_settings(storage, db_url, broker.queue, server={"api_tokens": TOKENS}))
     yield app.test_client()
     app.extensions["kiln"].close()
 

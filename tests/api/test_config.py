@@ -21,7 +21,7 @@ def test_config_without_a_runner(client, settings):
     assert training["max_queued_jobs"] == 64 and training["checkpoint_interval"] is None
     assert config["runner"] is None
     assert config["storage"]["adapters_dir"] == str(settings.adapters_dir)
-    assert config["queue"]["queue_name"] == "kiln-api-test"
+    assert config["queue"]["queue_name"] == settings.queue.queue_name
     assert config["server"]["auth_enabled"] is False
 
 
@@ -44,6 +44,7 @@ def test_config_never_shows_secrets(storage, engine, broker, db_url):
     settings = make_settings(
         storage,
         db_url,
+        broker.queue,
         server={"api_tokens": ["s3cret-token"]},
         queue={"broker_url": "redis://:brokerpass@127.0.0.1:6379/11"},
     )

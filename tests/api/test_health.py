@@ -37,7 +37,7 @@ def test_health_with_a_runner(client, runner, runner_kwargs):
 
 
 def test_health_is_503_when_the_database_is_unreachable(storage, broker, db_url):
-    settings = make_settings(storage, db_url)
+    settings = make_settings(storage, db_url, broker.queue)
     settings = settings.model_copy(
         update={
             "database": settings.database.model_copy(update={"url": "postgresql://postgres@127.0.0.1:1/none"})

@@ -10,7 +10,7 @@ import textwrap
 from tests.api.conftest import REDIS_URL
 
 
-def test_app_factory_and_requests_do_not_import_torch(tmp_path, runner_kwargs):
+def test_app_factory_and_requests_do_not_import_torch(tmp_path, runner_kwargs, broker):
     script = textwrap.dedent(
         f"""
         import json, sys
@@ -20,7 +20,7 @@ def test_app_factory_and_requests_do_not_import_torch(tmp_path, runner_kwargs):
 
         settings = Settings.model_validate({{
             "storage": {{"root": {str(tmp_path)!r}}},
-            "queue": {{"broker_url": {REDIS_URL!r}, "queue_name": "kiln-api-notorch"}},
+            "queue": {{"broker_url": {REDIS_URL!r}, "queue_name": {broker.queue!r}}},
         }})
         upgrade_database(settings.database_url)
         app = create_app(settings)
@@ -47,3 +47,4 @@ def test_app_factory_and_requests_do_not_import_torch(tmp_path, runner_kwargs):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+    assert broker.depth() == 1  # the admission was published

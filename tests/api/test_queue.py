@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.store import Job, claim_job, finish_job
-from tests.api.conftest import broker_task_ids, sft_body
+from tests.api.conftest import sft_body
 
 
 def _submit(client, **config) -> str:
@@ -47,7 +47,7 @@ def test_empty_queue(client):
 
 def test_cancel_a_queued_job(client, sessions, broker, runner):
     job_id = _submit(client)
-    assert broker_task_ids(broker) == [job_id]
+    assert broker.task_ids() == [job_id]
     response = client.delete(f"/v1/train/queue/{job_id}")
     assert response.status_code == 200
     assert response.get_json() == {"status": "cancelled", "job_id": job_id, "message": None}

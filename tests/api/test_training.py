@@ -10,10 +10,7 @@ import pytest
 from api import create_app
 from kiln.store import Admission, Job, JobEvent, heartbeat_runner, register_adapter, register_runner
 from tests.api.conftest import (
-    QUEUE,
     RUNNER_ID,
-    broker_depth,
-    broker_task_ids,
     example,
     make_settings,
     sft_body,
@@ -77,13 +74,13 @@ def test_admission_writes_job_admission_event_and_publishes(client, sessions, br
         events = session.query(JobEvent).filter_by(job_id=out["job_id"]).all()
     assert [e.kind for e in events] == ["queued"]
     assert events[0].data["rows_kept"] == 3
-    assert broker_task_ids(broker) == [out["job_id"]]
+    assert broker.task_ids() == [out["job_id"]]
 
 
 def test_defaults_output_name_interval_learning_rate_and_explicit_seed(
     storage, db_url, engine, broker, sessions, runner
 ):
-    settings = make_settings(storage, db_url, training={"checkpoint_interval": 5})
+    settings = make_settings(storage, db_url, broker.queue, training={"checkpoint_interval": 5})
     app = create_app(settings)
     try:
         client = app.test_client()
@@ -142,7 +139,7 @@ def test_idempotency_key_replays_the_same_job(client, engine, broker, sessions, 
     assert again.get_json()["job_id"] == first.get_json()["job_id"]
     assert again.get_json()["effective_seed"] == first.get_json()["effective_seed"]
     assert again.headers["Idempotent-Replayed"] == "true"
-    assert broker_depth(broker) == 1
+    assert broker.depth() == 1
     with sessions() as session:
         assert session.query(Job).count() == 1
     assert _job(sessions, first.get_json()["job_id"]).idempotency_key == "k-1"
@@ -239,8 +236,8 @@ def test_publish_failure_still_admits_and_leaves_the_job_unpublished(
 ):
     from worker.celery_app import make_celery
 
-    settings = make_settings(storage, db_url)
-    dead = make_settings(storage, db_url, queue={"broker_url": "redis://127.0.0.1:1/0"})
+    settings = make_settings(storage, db_url, broker.queue)
+    dead = make_settings(storage, db_url, broker.queue, queue={"broker_url": "redis://127.0.0.1:1/0"})
     celery = make_celery(dead)
     celery.conf.broker_connection_timeout = 1
     celery.conf.broker_connection_max_retries = 0
@@ -250,7 +247,7 @@ def test_publish_failure_still_admits_and_leaves_the_job_unpublished(
         assert response.status_code == 200
         job = _job(sessions, response.get_json()["job_id"])
         assert job.state == "queued" and job.published_at is None
-        assert broker_depth(broker) == 0
+        assert broker.depth() == 0
     finally:
         app.extensions["kiln"].close()
 
@@ -393,7 +390,7 @@ def test_rejection_leaves_no_row_message_or_file(
 
 
 def test_queue_full_is_503_and_leaves_nothing(storage, db_url, engine, broker, sessions, runner):
-    app = create_app(make_settings(storage, db_url, training={"max_queued_jobs": 1}))
+    app = create_app(make_settings(storage, db_url, broker.queue, training={"max_queued_jobs": 1}))
     try:
         client = app.test_client()
         assert client.post("/v1/train/sft", json=sft_body(1)).status_code == 200
@@ -407,7 +404,7 @@ def test_queue_full_is_503_and_leaves_nothing(storage, db_url, engine, broker, s
 
 
 def test_tracked_full_is_503(storage, db_url, engine, broker, sessions, runner):
-    app = create_app(make_settings(storage, db_url, training={"max_tracked_jobs": 1}))
+    app = create_app(make_settings(storage, db_url, broker.queue, training={"max_tracked_jobs": 1}))
     try:
         client = app.test_client()
         assert client.post("/v1/train/sft", json=sft_body(1)).status_code == 200
@@ -419,7 +416,7 @@ def test_tracked_full_is_503(storage, db_url, engine, broker, sessions, runner):
 
 
 def test_oversized_body_is_413_request_too_large(storage, db_url, engine, broker, runner):
-    app = create_app(make_settings(storage, db_url, server={"max_request_mb": 0.01}))
+    app = create_app(make_settings(storage, db_url, broker.queue, server={"max_request_mb": 0.01}))
     try:
         before = snapshot(engine, broker, storage)
         response = app.test_client().post("/v1/train/sft", json=sft_body(200))
@@ -447,14 +444,14 @@ def test_body_must_be_an_object(client, runner):
 
 def test_broker_queue_is_the_configured_one(client, broker, runner):
     client.post("/v1/train/sft", json=sft_body(1))
-    assert broker.llen(QUEUE) == 1
+    assert broker.client.llen(broker.queue) == 1
 
 
-def test_embedded_default_broker_receives_the_message(storage, db_url, engine, sessions, runner):
+def test_embedded_default_broker_receives_the_message(storage, db_url, engine, broker, sessions, runner):
     """With no broker configured the api publishes to the SQLite broker under the storage root."""
     import sqlite3
 
-    settings = make_settings(storage, db_url)
+    settings = make_settings(storage, db_url, broker.queue)
     settings = settings.model_copy(update={"queue": settings.queue.model_copy(update={"broker_url": None})})
     app = create_app(settings)
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 from kiln.store import Job, JobEvent
-from tests.api.conftest import broker_task_ids, sft_body
+from tests.api.conftest import sft_body
 
 THREADS = 50
 
@@ -63,7 +63,7 @@ def test_fifty_concurrent_submissions_are_admitted_exactly_once_in_order(
     queue = client.get("/v1/train/queue").get_json()["queued"]
     assert [q["job_id"] for q in queue] == [j.id for j in jobs]
     assert [q["position"] for q in queue] == list(range(1, THREADS + 1))
-    published = broker_task_ids(broker)
+    published = broker.task_ids()
     assert sorted(published) == sorted(job_ids)  # one message per job, none twice
 
 
@@ -74,4 +74,4 @@ def test_concurrent_duplicates_of_one_idempotency_key_admit_one_job(app, session
     assert len({out["job_id"] for _, out in results}) == 1
     with sessions() as session:
         assert session.query(Job).count() == 1
-    assert len(broker_task_ids(broker)) == 1
+    assert len(broker.task_ids()) == 1
