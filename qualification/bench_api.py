@@ -12,7 +12,7 @@
    threads, each with one keep-alive connection, GET /v1/train/status/<id> for `--seconds`
    (bounded load: at most one request in flight per client). Requests/s and p50/p99 latency.
 
-Needs Redis at 127.0.0.1:6379 (db 12 is flushed) and, for the postgres backend, the Postgres
+Needs Redis at 127.0.0.1:6379 (db 12, a queue of its own that is deleted afterwards) and, for the postgres backend, the Postgres
 server at KILN_TEST_POSTGRES_URL (default postgresql://postgres@127.0.0.1:5432/test): a database
 `kiln_bench_<random>` is created and dropped.
 """
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 REDIS_URL = "redis://127.0.0.1:6379/12"
-QUEUE = "kiln-bench"
+QUEUE = f"kiln-bench-{uuid.uuid4().hex[:8]}"  # its own queue; deleted afterwards
 POSTGRES_ADMIN_URL = os.environ.get("KILN_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 ROWS = 100
 
@@ -175,7 +175,6 @@ def run(backend: str, args, model_dir: Path, runner_kwargs: dict) -> dict:
     from kiln.settings import Settings
     from kiln.store import upgrade_database
 
-    redis.Redis.from_url(REDIS_URL).flushdb()
     with tempfile.TemporaryDirectory() as tmp, database(backend, Path(tmp)) as url:
         storage = Path(tmp) / "storage"
         upgrade_database(url)
@@ -202,7 +201,9 @@ def run(backend: str, args, model_dir: Path, runner_kwargs: dict) -> dict:
         with gunicorn(env, port):
             bench_status(port, job_id, args.clients, 1.0)  # warm connections and caches
             rps, latencies = bench_status(port, job_id, args.clients, args.seconds)
-    redis.Redis.from_url(REDIS_URL).flushdb()
+    client = redis.Redis.from_url(REDIS_URL)
+    for key in client.scan_iter(match=f"*{QUEUE}*"):
+        client.delete(key)
     return {
         "backend": backend,
         "admission_rows": ROWS,
