@@ -132,7 +132,30 @@ class WorkerRuntime:
 
     # ----- one job -------------------------------------------------------------------------
     def run_job(self, job_id: str) -> str:
-        """Handle one doorbell; returns what happened (`dropped`, `completed`, `failed`, `requeued`)."""
+        """Handle one doorbell; returns what happened to `job_id` (`dropped`, `completed`, `failed`,
+        `requeued`).
+
+        Messages can leave the api out of admission order (concurrent admissions publish after
+        their commits), so a doorbell first runs every older queued job: execution follows
+        `queue_seq`, strictly FIFO. The older jobs' own doorbells later find them done and drop.
+        """
+        while not self.shutdown.is_set():
+            older = self._oldest_queued_before(job_id)
+            if older is None:
+                break
+            self._run_one(older)
+        return self._run_one(job_id)
+
+    def _oldest_queued_before(self, job_id: str) -> str | None:
+        with self.factory() as s:
+            queued = store.list_queued(s)
+        ids = [j.id for j in queued if not j.cancel_requested]
+        if job_id not in ids:
+            return None
+        position = ids.index(job_id)
+        return ids[0] if position > 0 else None
+
+    def _run_one(self, job_id: str) -> str:
         pinned = self._claim(job_id)
         if pinned is None:
             return "dropped"

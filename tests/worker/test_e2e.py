@@ -30,7 +30,7 @@ from tests.kiln.test_store_support import fresh_postgres_database
 pytestmark = pytest.mark.slow
 
 KILN = [sys.executable, "-m", "kiln.cli.main"]
-REDIS_E2E = "redis://127.0.0.1:6379/12"
+REDIS_E2E = "redis://127.0.0.1:6379/13"
 
 
 def free_port() -> int:
@@ -66,7 +66,9 @@ class Stack:
 
     def start(self, name: str, *args: str) -> subprocess.Popen:
         log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115 (closed with the process)
-        proc = subprocess.Popen([*KILN, *args], env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [*KILN, *args], env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         self.procs[name] = proc
         return proc
 
@@ -82,7 +84,7 @@ class Stack:
 
     def stop(self, name: str, sig: int = signal.SIGTERM) -> None:
         proc = self.procs.pop(name)
-        proc.send_signal(sig)
+        os.killpg(proc.pid, sig)  # the whole process group, like a container stop: gunicorn's children too
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:

@@ -221,3 +221,13 @@ def test_a_job_past_its_delivery_budget_fails(client, runtime, sessions, setting
     job = job_row(sessions, job_id)
     assert job.state == states.FAILED and job.failure_reason == "worker_lost"
     assert "gave up" in job.error_message and steps(sessions, job_id) == []
+
+
+def test_a_doorbell_runs_older_queued_jobs_first(client, runtime, sessions):
+    """Messages may arrive out of admission order; execution still follows queue_seq (FIFO)."""
+    ids = [submit(client, sft_body(1, output_name=unique_name(f"fifo{i}"))) for i in range(3)]
+    assert runtime.run_job(ids[2]) == "completed"
+    jobs = [job_row(sessions, i) for i in ids]
+    assert [j.state for j in jobs] == [states.COMPLETED] * 3
+    assert jobs[0].started_at < jobs[1].started_at < jobs[2].started_at
+    assert [runtime.run_job(i) for i in ids[:2]] == ["dropped", "dropped"]
