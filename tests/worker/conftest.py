@@ -31,7 +31,7 @@ def resident(tiny_model_dir):
 
 @pytest.fixture
 def settings(storage, db_url, engine, broker):
-    return make_settings(storage, db_url, training={"lease_seconds": 30, "max_attempts": 3})
+    return make_settings(storage, db_url, broker.queue, training={"lease_seconds": 30, "max_attempts": 3})
 
 
 @pytest.fixture

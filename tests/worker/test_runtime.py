@@ -15,7 +15,7 @@ from sqlalchemy import update
 from kiln import store
 from kiln.store import states
 from kiln.store.models import Admission, Job
-from tests.api.conftest import broker_task_ids, sft_body, unique_name
+from tests.api.conftest import sft_body, unique_name
 
 
 def submit(client, body) -> str:
@@ -164,7 +164,7 @@ def test_worker_shutdown_releases_the_job_and_the_resume_is_bit_exact(
     assert runtime.run_job(job_id) == "requeued"
     job = job_row(sessions, job_id)
     assert job.state == states.QUEUED and job.resume_checkpoint.endswith("step-00000004.kiln-checkpoint")
-    assert job_id in broker_task_ids(broker, settings.queue.queue_name)  # republished by the reconciler
+    assert job_id in broker.task_ids()  # republished by the reconciler
 
     runtime._on_step = original
     runtime.shutdown.clear()
@@ -202,13 +202,13 @@ def test_unpublished_job_is_published_by_the_reconciler(client, app, runtime, se
 
     app.extensions["kiln"].celery = BrokenBroker()
     job_id = submit(client, sft_body(2))
-    assert broker_task_ids(broker, settings.queue.queue_name) == []
+    assert broker.task_ids() == []
     with sessions.begin() as s:  # older than the reconciler's publish grace period
         s.execute(
             update(Job).where(Job.id == job_id).values(submitted_at=store.utcnow() - timedelta(minutes=1))
         )
     assert runtime.reconciler.run_once()["republished"] == 1
-    assert broker_task_ids(broker, settings.queue.queue_name) == [job_id]
+    assert broker.task_ids() == [job_id]
     assert job_row(sessions, job_id).published_at is not None
     assert "republished" in event_kinds(sessions, job_id)
 
