@@ -24,6 +24,8 @@ def register(cli: click.Group) -> None:
     def config_group() -> None:
         """Inspect the typed configuration (kiln.toml, KILN_* environment, flags)."""
 
+    register_reference(config_group)
+
     @config_group.command("show")
     @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="Path to kiln.toml.")
     @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
@@ -46,3 +48,27 @@ def register(cli: click.Group) -> None:
         width = max(len(k) for k, _, _ in rows)
         for key, value, source in rows:
             click.echo(f"{key:<{width}}  {json.dumps(value)}  [{source}]")
+
+
+def configuration_reference() -> str:
+    """Markdown reference of every setting, generated from the settings models (README section)."""
+    from kiln.settings import ENV_PREFIX, SECTIONS
+
+    lines = [
+        "| key | environment | default | description |",
+        "| --- | --- | --- | --- |",
+    ]
+    for section, model in SECTIONS.items():
+        for name, field in model.model_fields.items():
+            default = field.get_default(call_default_factory=True)
+            shown = json.dumps(str(default) if hasattr(default, "as_posix") else default)
+            env = f"{ENV_PREFIX}{section.upper()}_{name.upper()}"
+            lines.append(f"| `{section}.{name}` | `{env}` | `{shown}` | {field.description or ''} |")
+    return "\n".join(lines) + "\n"
+
+
+def register_reference(config_group: click.Group) -> None:
+    @config_group.command("reference")
+    def reference() -> None:
+        """Print the configuration reference (Markdown) generated from the settings models."""
+        click.echo(configuration_reference(), nl=False)
