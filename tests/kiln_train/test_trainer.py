@@ -321,3 +321,63 @@ def test_an_unresolved_config_or_bad_name_fails_before_anything_is_written(resid
     with pytest.raises(KilnError, match="invalid adapter name"):
         train(resident, make_config(), ingestion, tmp_path, adapter_name="../escape")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_forward_and_backward_run_inside_the_training_scope(resident, ingestion, tmp_path, monkeypatch):
+    """Seed 000 "Tape authority": the step opens the scope; nothing outside a step sees it."""
+    from kiln_train.trainer_support import TRAINING_SCOPE
+
+    module = resident.model.get_submodule("layers.0.mlp.up_proj")
+    real_forward = module.forward
+    seen = []
+
+    def forward(x):
+        seen.append((TRAINING_SCOPE.get(), torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
+        return real_forward(x)
+
+    monkeypatch.setattr(module, "forward", forward)
+    config = make_config(seed=SEED, epochs=1, adapter_smoke_test=True, adapter_smoke_prompts=["Hi"])
+    with torch.no_grad():  # the caller's grad mode does not matter: the scope enables recording
+        result = train(resident, config, ingestion, tmp_path)
+    assert result.status == "success", result.failure_message
+    training = seen[:N_ROWS]
+    assert training == [(True, True, False)] * N_ROWS
+    canary = seen[N_ROWS:]
+    assert canary and all(s == (False, False, True) for s in canary)  # canaries: inference mode
+    assert TRAINING_SCOPE.get() is False
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({"lora_rank": 4, "lora_alpha": 16.0}, "unsafe LoRA scaling"),
+        ({"adapter_smoke_prompts": ["Hi"]}, "adapter_smoke_prompts requires adapter_smoke_test=true"),
+        ({"adapter_smoke_test": True, "adapter_smoke_prompts": []}, "non-empty array"),
+        ({"adapter_smoke_test": True, "adapter_smoke_prompts": ["  "]}, "must not be blank"),
+        ({"training_profile": "hf_trainer"}, "training_profile"),
+        ({"per_device_train_batch_size": 2}, "unknown field"),
+        ({"gradient_accumulation_steps": 4}, "unknown field"),
+        ({"lr_scheduler_type": "cosine"}, "unknown field"),
+        ({"warmup_steps": 10}, "unknown field"),
+        ({"max_grad_norm": 1.0}, "unknown field"),
+    ],
+)
+def test_config_level_rejections_are_invalid_requests(body, fragment):
+    from kiln_train.errors import TRAINING_INVALID_REQUEST, KilnError
+    from kiln_train.sft_config import parse_sft_config
+
+    with pytest.raises(KilnError) as exc:
+        parse_sft_config(body)
+    assert exc.value.code == TRAINING_INVALID_REQUEST and fragment in exc.value.message
+
+
+def test_train_mtp_true_is_rejected_by_the_server_path():
+    from kiln_train.errors import TRAINING_INVALID_REQUEST, KilnError
+    from kiln_train.sft_config import parse_sft_config
+
+    with pytest.raises(KilnError) as exc:
+        parse_sft_config({"train_mtp": True}).resolve(seed=1)
+    assert exc.value.code == TRAINING_INVALID_REQUEST and "train_mtp" in exc.value.message
+    assert parse_sft_config({"train_mtp": None}).resolve(seed=1).train_mtp is False
+    high = parse_sft_config({"lora_rank": 4, "lora_alpha": 16.0, "allow_high_lora_scale": True})
+    assert high.alpha_over_rank == 4.0
