@@ -159,19 +159,21 @@ def run_worker(args) -> None:
         sync()
         torch.cuda.reset_peak_memory_stats()
         loaded_bytes = torch.cuda.memory_allocated()
-    losses, times = [], []
+    losses, times, cpu_times = [], [], []
     for i in range(args.warmup + args.steps):
         sync()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         losses.append(step())
         sync()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
+            cpu_times.append(time.process_time() - cpu_start)
     result = {
         "side": args.worker,
         "length": t,
         "load_s": load_s,
         "step_s": times,
+        "cpu_s": cpu_times,
         "loss": losses[0],
         "rss_loaded_mib": rss_loaded / 1024,
         "peak_rss_mib": _rss_kib("VmHWM") / 1024,
@@ -245,7 +247,9 @@ def run_benchmark(args) -> None:
 
 def _summary(runs: list[dict]) -> dict:
     steps = sum((r["step_s"] for r in runs), [])
+    cpu = sum((r["cpu_s"] for r in runs), [])
     out = {"best": min(steps), "median": statistics.median(steps), "loss": runs[0]["loss"]}
+    out["cpu_best"], out["cpu_median"] = min(cpu), statistics.median(cpu)
     out["peak"] = max(r.get("cuda_peak_gib", r["peak_rss_mib"]) for r in runs)
     out["loaded"] = max(r.get("cuda_loaded_gib", r["rss_loaded_mib"]) for r in runs)
     return out
@@ -253,20 +257,25 @@ def _summary(runs: list[dict]) -> dict:
 
 def _print_table(args, rows, sides) -> None:
     unit = "GiB (cuda peak)" if args.device.startswith("cuda") else "MiB (peak RSS)"
-    print(f"\n| T | side | best step s | median step s | tokens/s | peak {unit} | after load | loss |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        f"\n| T | side | best step s | median step s | best CPU s | median CPU s | tokens/s | peak {unit} "
+        "| after load | loss |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for length, results in rows:
         summaries = {s: _summary(results[s]) for s in sides}
         for side, s in summaries.items():
             print(
-                f"| {length} | {side} | {s['best']:.3f} | {s['median']:.3f} | {length / s['best']:.0f} | "
+                f"| {length} | {side} | {s['best']:.3f} | {s['median']:.3f} | {s['cpu_best']:.3f} | "
+                f"{s['cpu_median']:.3f} | {length / s['best']:.0f} | "
                 f"{s['peak']:.0f} | {s['loaded']:.0f} | {s['loss']:.5f} |"
             )
         if len(sides) == 2:
             a, b = summaries[sides[0]], summaries[sides[1]]
             print(
                 f"| {length} | ratio {sides[0]}/{sides[1]} | {a['best'] / b['best']:.2f} | "
-                f"{a['median'] / b['median']:.2f} | | {a['peak'] / b['peak']:.2f} | | |"
+                f"{a['median'] / b['median']:.2f} | {a['cpu_best'] / b['cpu_best']:.2f} | "
+                f"{a['cpu_median'] / b['cpu_median']:.2f} | | {a['peak'] / b['peak']:.2f} | | |"
             )
 
 
@@ -299,6 +308,10 @@ def run_parity(args) -> None:
     from kiln_train.model.delta_rule import fla_chunk_kernel
 
     device = torch.device(args.device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise SystemExit(
+            "--parity compares bf16 on CUDA; the f32 CPU parity lives in tests/kiln_train/test_model_parity.py"
+        )
     impls = ["chunk"] + (["fla"] if fla_chunk_kernel() is not None else [])
     print(f"# bf16 parity on {torch.cuda.get_device_name(device)}; GDN impls {impls}")
     print(
