@@ -23,12 +23,21 @@ def register(cli: click.Group) -> None:
     @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
     @click.option("--preset", type=click.Choice(PRESET_NAMES), default="tiny", show_default=True)
     @click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=0, show_default=True)
-    def init_tiny(out_dir: Path, preset: str, seed: int) -> None:
+    @click.option(
+        "--if-missing",
+        is_flag=True,
+        help="Do nothing (exit 0) when OUT_DIR already holds a checkpoint (container start-up).",
+    )
+    def init_tiny(out_dir: Path, preset: str, seed: int, if_missing: bool) -> None:
         """Write a complete random Qwen3.5 checkpoint (config, weights incl. mtp.*, tokenizer, template)."""
         from kiln.cli.tokenizer_cmd import cached_tokenizer
         from kiln_train.model_config import load_config
         from kiln_train.tiny import write_tiny_checkpoint
 
+        if if_missing and (out_dir / "config.json").is_file():
+            load_config(out_dir)  # an existing directory must still be a Qwen3.5 checkpoint
+            click.echo(f"{out_dir} already holds a checkpoint; nothing to do")
+            return
         if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
             raise click.UsageError(f"{out_dir} already exists and is not an empty directory")
         out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -161,6 +161,10 @@ def test_cli_init_tiny(tmp_path, monkeypatch, qwen_tokenizer):
     assert (out / "model.safetensors").read_bytes() == (direct / "model.safetensors").read_bytes()
     again = CliRunner().invoke(cli, ["model", "init-tiny", str(out)])
     assert again.exit_code == 2 and "already exists" in again.output
+    before = (out / "model.safetensors").read_bytes()
+    idempotent = CliRunner().invoke(cli, ["model", "init-tiny", str(out), "--seed", "9", "--if-missing"])
+    assert idempotent.exit_code == 0 and "nothing to do" in idempotent.output
+    assert (out / "model.safetensors").read_bytes() == before
     bad = CliRunner().invoke(cli, ["model", "init-tiny", str(tmp_path / "n"), "--preset", "huge"])
     assert bad.exit_code == 2 and not (tmp_path / "n").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["direct", "m"]  # no staging leftovers
