@@ -1,0 +1,278 @@
+"""The HTTP client behind the `kiln train|jobs|adapters` commands: where the api is, the bearer
+token, one JSON request, and the error envelope as an exception (kiln-contract §1, §1.6).
+
+Stdlib `urllib` only (the `kiln` command imports this module; it must stay light and torch-free).
+
+Connection rules:
+- base URL: `--url` (or `KILN_API_URL`), else `http://<server.host>:<server.port>` from the
+  settings (a wildcard bind such as 0.0.0.0 is reached on loopback);
+- token: `--token` (or `KILN_API_TOKEN`), else the first of `server.api_tokens`, but only when the
+  URL also came from the settings: a local server's secret is never sent to a URL typed by hand.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import tarfile
+import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from kiln.settings import load_settings
+
+URL_ENV = "KILN_API_URL"
+TOKEN_ENV = "KILN_API_TOKEN"
+DEFAULT_TIMEOUT_S = 30.0
+DOWNLOAD_CHUNK = 1 << 20
+ERROR_BODY_MAX = 500
+
+# Exit statuses of every client command.
+EXIT_API_ERROR = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+
+_WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
+
+
+class ApiError(Exception):
+    """The server answered with an error: the envelope's code, message and hint."""
+
+    def __init__(
+        self, status: int, code: str, message: str, hint: str = "", retry_after: str | None = None
+    ) -> None:
+        super().__init__(f"{code}: {message}")
+        self.status = status
+        self.code = code
+        self.message = message
+        self.hint = hint
+        self.retry_after = retry_after
+        self.notes: list[str] = []  # client-side context added by the command (e.g. a file's line)
+
+
+class LocalFileError(Exception):
+    """A download could not be written or unpacked locally (nothing is left behind)."""
+
+
+class ApiUnreachable(Exception):
+    """No HTTP answer at all: refused, unresolvable, timed out, or cut off mid-response."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(f"{url}: {reason}")
+        self.url = url
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Connection:
+    base_url: str
+    token: str | None = None
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: Mapping[str, str]
+    body: Any = field(default=None)
+
+
+def settings_url(host: str, port: int) -> str:
+    """The URL a client uses to reach a server bound to host:port."""
+    host = _WILDCARD_HOSTS.get(host, host)
+    if ":" in host:  # IPv6 literal
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def resolve_connection(url: str | None, token: str | None, config_file: str | None) -> Connection:
+    """Where to send requests and with which token (module docstring). Raises ConfigError when
+    the settings are needed and cannot be loaded."""
+    if url is not None:
+        return Connection(url.rstrip("/"), token or None)
+    server = load_settings(config_file).settings.server
+    if token is None and server.api_tokens:
+        token = server.api_tokens[0]
+    return Connection(settings_url(server.host, server.port), token or None)
+
+
+def quote_segment(value: str) -> str:
+    """One path segment, escaped so a `/` or `..` in an id cannot change the route."""
+    return urllib.parse.quote(value, safe="")
+
+
+class ApiClient:
+    """JSON requests against one Kiln api."""
+
+    def __init__(self, connection: Connection, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        self.connection = connection
+        self.timeout = timeout
+
+    @property
+    def base_url(self) -> str:
+        return self.connection.base_url
+
+    def get(self, path: str, query: Mapping[str, Any] | None = None) -> Any:
+        return self.request("GET", path, query=query).body
+
+    def post(self, path: str, body: Any, **kwargs: Any) -> Any:
+        return self.request("POST", path, body=body, **kwargs).body
+
+    def delete(self, path: str) -> Any:
+        return self.request("DELETE", path).body
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        query: Mapping[str, Any] | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Reply:
+        """Send one request; the decoded JSON reply, ApiError for an error status, ApiUnreachable
+        when no answer came back."""
+        data = None
+        all_headers = {"Accept": "application/json", **(headers or {})}
+        if body is not None:
+            # allow_nan=False: NaN/Infinity are not JSON and the server refuses them anyway.
+            data = json.dumps(body, allow_nan=False).encode("utf-8")
+            all_headers["Content-Type"] = "application/json"
+        url = self._url(path, query)
+        try:
+            with self._open(method, url, data, all_headers, timeout) as response:
+                raw = response.read()
+                status, reply_headers = response.status, response.headers
+        except http.client.HTTPException as exc:
+            raise ApiUnreachable(url, f"the connection broke mid-response ({exc!r})") from None
+        except OSError as exc:
+            raise ApiUnreachable(url, _reason(exc)) from None
+        return Reply(status, reply_headers, _decode_json(raw, status, url))
+
+    def download(self, path: str, sink: BinaryIO) -> int:
+        """Stream a binary response body into `sink`; the number of bytes written."""
+        url = self._url(path, None)
+        written = 0
+        try:
+            with self._open("GET", url, None, {"Accept": "application/gzip"}, None) as response:
+                while chunk := response.read(DOWNLOAD_CHUNK):
+                    sink.write(chunk)
+                    written += len(chunk)
+        except http.client.HTTPException as exc:
+            raise ApiUnreachable(url, f"the connection broke mid-download ({exc!r})") from None
+        except OSError as exc:
+            raise ApiUnreachable(url, _reason(exc)) from None
+        return written
+
+    def _url(self, path: str, query: Mapping[str, Any] | None) -> str:
+        url = self.base_url + path
+        params = {k: v for k, v in (query or {}).items() if v is not None}
+        return f"{url}?{urllib.parse.urlencode(params)}" if params else url
+
+    def _open(self, method: str, url: str, data: bytes | None, headers: dict, timeout: float | None):
+        """urlopen with the bearer token; an HTTP error status becomes ApiError here, before the
+        caller's OSError handler could mistake it for a connection failure."""
+        if self.connection.token:
+            headers = {**headers, "Authorization": f"Bearer {self.connection.token}"}
+        request = urllib.request.Request(url, data=data, headers=headers, method=method)
+        try:
+            return urllib.request.urlopen(request, timeout=timeout or self.timeout)  # noqa: S310 (operator-given URL)
+        except urllib.error.HTTPError as exc:
+            raise api_error_from(exc, url) from None
+
+
+def api_error_from(exc: urllib.error.HTTPError, url: str) -> ApiError:
+    """The envelope of an error response; a body that is not one (a proxy's page, another
+    service) is reported with its status and the start of its text."""
+    try:
+        raw = exc.read()
+    except (OSError, http.client.HTTPException):
+        raw = b""
+    retry_after = exc.headers.get("Retry-After") if exc.headers else None
+    try:
+        envelope = json.loads(raw.decode("utf-8"))
+        error = envelope["error"]
+        return ApiError(
+            exc.code, str(error["code"]), str(error["message"]), str(error.get("hint") or ""), retry_after
+        )
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+        text = raw.decode("utf-8", errors="replace").strip()[:ERROR_BODY_MAX] or (exc.reason or "")
+        return ApiError(
+            exc.code,
+            f"http_{exc.code}",
+            f"{url} answered HTTP {exc.code} without a Kiln error envelope: {text}",
+            "Check that the URL points at a Kiln api (`kiln serve`).",
+            retry_after,
+        )
+
+
+def _decode_json(raw: bytes, status: int, url: str) -> Any:
+    try:
+        return json.loads(raw.decode("utf-8")) if raw.strip() else None
+    except (UnicodeDecodeError, ValueError):
+        raise ApiError(
+            status,
+            "invalid_response",
+            f"{url} answered HTTP {status} with a body that is not JSON",
+            "Check that the URL points at a Kiln api (`kiln serve`).",
+        ) from None
+
+
+def _reason(exc: OSError) -> str:
+    reason = getattr(exc, "reason", None) or exc
+    if isinstance(reason, TimeoutError):
+        return "timed out"
+    return str(reason.strerror if isinstance(reason, OSError) and reason.strerror else reason)
+
+
+# ----- adapter archives ---------------------------------------------------------------------
+
+
+def download_archive(client: ApiClient, path: str, target: Path, force: bool) -> int:
+    """Save a download at `target` (written beside it, then renamed: never a partial file)."""
+    if target.exists() and not force:
+        raise LocalFileError(f"{target} exists; pass --force to overwrite it")
+    directory = target.parent if str(target.parent) else Path(".")
+    fd, partial = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as sink:
+            size = client.download(path, sink)
+        os.replace(partial, target)
+    except BaseException:
+        Path(partial).unlink(missing_ok=True)
+        raise
+    return size
+
+
+def extract_archive(client: ApiClient, path: str, name: str, directory: Path) -> tuple[Path, list[str]]:
+    """Download the adapter's tar.gz and unpack it as `directory/<name>/` (members must all lie
+    under `<name>/`; tarfile's `data` filter refuses links out, devices and absolute paths)."""
+    target = directory / name
+    if target.exists():
+        raise LocalFileError(f"{target} exists; remove it or choose another --extract directory")
+    directory.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".partial", dir=directory))
+    try:
+        with tempfile.TemporaryFile() as archive:
+            client.download(path, archive)
+            archive.seek(0)
+            with tarfile.open(fileobj=archive, mode="r:gz") as tar:
+                members = tar.getmembers()
+                strays = [m.name for m in members if m.name != name and not m.name.startswith(f"{name}/")]
+                if strays:
+                    raise LocalFileError(f"the archive holds paths outside {name}/: {strays[:3]}")
+                tar.extractall(staging, filter="data")
+        files = sorted(m.name.removeprefix(f"{name}/") for m in members if m.isfile())
+        os.replace(staging / name, target)
+    except tarfile.TarError as exc:
+        raise LocalFileError(f"the downloaded archive of {name!r} is not a readable tar.gz: {exc}") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target, files

@@ -1,0 +1,179 @@
+"""Submitting an SFT job from the command line: the request's config from the flags, the rows of
+a local JSONL file, the canary prompts file, and the wait for the job to finish (seed 000: the CLI
+sends `training_profile` explicitly; `--adapter-smoke-prompts-file` loads a JSON string array or
+one text prompt).
+
+The JSONL rule is the server's (kiln_train.ingestion): lines split on LF, ASCII whitespace
+stripped, blank lines are not rows. Rows travel inline as parsed JSON objects.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kiln.cli.client_view import TERMINAL_STATES, ProgressLine
+from kiln.cli.http_client import EXIT_USAGE, ApiClient, ApiError, ApiUnreachable, quote_segment
+from kiln_train.sft_config import TRAINING_PROFILE
+
+EXIT_INTERRUPTED = 130
+# A poll that cannot reach the api is retried this long (an api restart) before giving up.
+UNREACHABLE_GRACE_S = 30.0
+ASCII_WHITESPACE = b" \t\n\x0c\r"  # Rust's u8::is_ascii_whitespace, as the server strips
+
+
+class InputError(click.ClickException):
+    """Bad local input (a data or prompts file): exit 2, nothing was sent."""
+
+    exit_code = EXIT_USAGE
+
+
+# option name -> SftConfig field; only options the user gave are sent (server defaults otherwise).
+CONFIG_FIELDS = {
+    "epochs": "epochs",
+    "rank": "lora_rank",
+    "alpha": "lora_alpha",
+    "learning_rate": "learning_rate",
+    "seed": "seed",
+    "checkpoint_interval": "checkpoint_interval",
+    "resume_checkpoint": "resume_checkpoint",
+    "output_name": "output_name",
+    "base_adapter": "base_adapter",
+    "invalid_row_policy": "invalid_row_policy",
+    "grad_checkpoint_segments": "grad_checkpoint_segments",
+    "allow_high_lora_scale": "allow_high_lora_scale",
+    "detect_anomaly": "detect_anomaly",
+    "adapter_smoke_test": "adapter_smoke_test",
+}
+
+
+def sft_config(options: dict[str, Any]) -> dict[str, Any]:
+    """The request's `config`: the profile, always explicit (seed 000), then the given options."""
+    config: dict[str, Any] = {"training_profile": TRAINING_PROFILE}
+    for option, field_name in CONFIG_FIELDS.items():
+        if options.get(option) is not None:
+            config[field_name] = options[option]
+    if options.get("optimizer") is not None:
+        config["optimizer"] = {"kind": options["optimizer"]}
+    return config
+
+
+def read_examples(path: Path, policy: str | None) -> tuple[list[dict], list[int]]:
+    """The JSONL file's rows as parsed objects, and each row's line number. A line that is not a
+    JSON object cannot travel inline (the server's skip policy needs the raw line to hash it)."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise InputError(f"--data {path}: {exc.strerror or exc}") from None
+    rows: list[dict] = []
+    lines: list[int] = []
+    bad: list[str] = []
+    for number, raw_line in enumerate(raw.split(b"\n"), start=1):
+        line = raw_line.strip(ASCII_WHITESPACE)
+        if not line:
+            continue
+        try:
+            value = json.loads(line.decode("utf-8"), parse_constant=_reject_constant)
+        except (UnicodeDecodeError, ValueError) as exc:
+            bad.append(f"line {number}: not valid JSON: {exc}")
+            continue
+        if not isinstance(value, dict):
+            bad.append(f"line {number}: not a JSON object")
+            continue
+        rows.append(value)
+        lines.append(number)
+    if bad:
+        shown = "; ".join(bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
+        if policy == "skip":
+            raise InputError(
+                f"{path}: {len(bad)} line(s) are not JSON objects ({shown}). Rows sent inline must be JSON "
+                "objects, so the server cannot apply invalid_row_policy=skip to these lines; copy the file "
+                "into the server's datasets/ directory and submit it with --dataset-path, where the server "
+                "skips invalid_json rows and records their hashes."
+            )
+        raise InputError(f"{path}: {shown} (invalid_row_policy=fail; nothing was sent)")
+    if not rows:
+        raise InputError(f"{path}: no rows (the file is empty or only blank lines)")
+    return rows, lines
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def read_smoke_prompts(path: Path) -> list[str]:
+    """`--adapter-smoke-prompts-file`: a JSON array of strings, or the whole file as one prompt."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"--adapter-smoke-prompts-file {path}: {exc}") from None
+    stripped = text.strip()
+    if not stripped:
+        raise InputError(f"--adapter-smoke-prompts-file {path} is empty; write one prompt or a JSON array")
+    if stripped.startswith("["):
+        try:
+            value = json.loads(stripped)
+        except ValueError as exc:
+            raise InputError(
+                f"--adapter-smoke-prompts-file {path} starts with '[' but is not JSON: {exc}"
+            ) from None
+        if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
+            raise InputError(f"--adapter-smoke-prompts-file {path} must be a JSON array of strings")
+        return value
+    try:
+        value = json.loads(stripped)
+    except ValueError:
+        value = None
+    if isinstance(value, str):  # a JSON string literal is that one prompt, unquoted
+        return [value]
+    return [text.rstrip("\r\n")]
+
+
+def annotate_rows(err: ApiError, lines: list[int], path: Path) -> None:
+    """Name the file line behind a row the server refers to (`examples[i]`, `SFT row n`)."""
+    for match in re.finditer(r"examples\[(\d+)\]", err.message):
+        index = int(match.group(1))
+        if index < len(lines):
+            err.notes.append(f"examples[{index}] is line {lines[index]} of {path}")
+    for match in re.finditer(r"SFT row (\d+)", err.message):
+        row = int(match.group(1))
+        if 1 <= row <= len(lines):
+            err.notes.append(f"SFT row {row} is line {lines[row - 1]} of {path}")
+
+
+def wait_for_job(client: ApiClient, admission: dict, interval: float) -> dict:
+    """Poll the job's status about every `interval` seconds until it is terminal, drawing the
+    progress line on stderr. Ctrl-C stops waiting (the job keeps running) and exits 130."""
+    job_id = admission["job_id"]
+    progress = ProgressLine(rows_kept=admission.get("rows_kept") or 0)
+    path = f"/v1/train/status/{quote_segment(job_id)}"
+    unreachable_since: float | None = None
+    try:
+        while True:
+            try:
+                status = client.get(path)
+            except ApiUnreachable:
+                unreachable_since = unreachable_since or time.monotonic()
+                if time.monotonic() - unreachable_since > UNREACHABLE_GRACE_S:
+                    progress.finish()
+                    raise
+                time.sleep(interval)
+                continue
+            unreachable_since = None
+            progress.show(status)
+            if status["state"] in TERMINAL_STATES:
+                progress.finish()
+                return status
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        progress.finish()
+        click.echo(f"\nstopped waiting; job {job_id} keeps going on the server.", err=True)
+        click.echo(f"  cancel it:  kiln jobs cancel {job_id}", err=True)
+        click.echo(f"  follow it:  kiln jobs events {job_id} --follow", err=True)
+        sys.exit(EXIT_INTERRUPTED)
