@@ -1,0 +1,276 @@
+"""Is the admission estimate honest? Real SFT steps measured against `kiln_train.memory.estimate`.
+
+Each case runs in a FRESH subprocess: load the model (a tiny random checkpoint, default preset
+`small`), release freed heap memory, then take the baseline (so the first step's one-time runtime
+initialisation counts against the estimate, as it does in a freshly started worker). Then attach LoRA, build the optimizer and run two real training steps
+exactly as the trainer does (`hidden_states` with the segment count, `sft_loss` on the route,
+`backward`, the gradient dict, `optimizer.step`, grads released), and measure the peak:
+
+- cpu: with the worker's allocator policy (`kiln_train.memory.apply_cpu_allocator_policy`),
+  peak RSS (`VmHWM`, reset with `/proc/self/clear_refs` after the baseline) minus the RSS
+  at the baseline: what the process really took from the machine, allocator slack included;
+- cuda: `torch.cuda.max_memory_allocated()` minus the allocated bytes at the baseline.
+
+The estimate is priced with `weights_resident=True` (the budget is measured with the model
+loaded), so `estimate.total` is compared with the step's own working set. The contract for the
+estimate: never below the actual peak; at most 1.5x above it for T >= 1024.
+
+    .venv/bin/python qualification/memory_honesty.py            # the full CPU table
+    .venv/bin/python qualification/memory_honesty.py --quick    # a few cases
+    .venv/bin/python qualification/memory_honesty.py --device cuda
+
+The table prints estimate / actual per case and the worst ratios; the exit status is 1 when any
+estimate is below its actual peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import json
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Case:
+    seq_len: int
+    rank: int
+    optimizer: str
+    segments: int
+    route: str = "kt_tape_flce"
+    supervised_fraction: float = 0.5
+
+    @property
+    def supervised(self) -> int:
+        return max(1, int((self.seq_len - 1) * self.supervised_fraction))
+
+
+def full_cases() -> list[Case]:
+    cases = []
+    for t in (256, 1024, 2048, 4096):
+        cases.append(Case(t, 16, "adam_w", 1))
+        cases.append(Case(t, 16, "adam_w", 4))
+    for r in (8, 64):
+        cases.append(Case(2048, r, "adam_w", 2))
+    for opt in ("sgd", "muon"):
+        cases.append(Case(2048, 16, opt, 2))
+    cases += [
+        Case(1024, 64, "muon", 1),
+        Case(4096, 8, "sgd", 2),
+        Case(4096, 64, "muon", 4),
+        Case(2048, 16, "adam_w", 8),
+        Case(2048, 16, "adam_w", 1, supervised_fraction=1.0),
+        Case(1024, 16, "adam_w", 1, supervised_fraction=0.05),
+        Case(256, 16, "sgd", 1, route="full_logits"),
+        Case(512, 16, "adam_w", 1, route="full_logits"),
+    ]
+    return cases
+
+
+def quick_cases() -> list[Case]:
+    return [
+        Case(1024, 16, "adam_w", 1),
+        Case(2048, 8, "muon", 4),
+        Case(1024, 64, "sgd", 2),
+        Case(256, 16, "adam_w", 1, route="full_logits"),
+    ]
+
+
+# ----- the child: one case in a fresh process ----------------------------------------------
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _page_size()
+
+
+def _page_size() -> int:
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE")
+
+
+def _hwm_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _reset_hwm() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _release_heap() -> None:
+    gc.collect()
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _make_row(seq_len: int, supervised: int, vocab: int, seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (1, seq_len), generator=g)
+    labels = torch.full((seq_len,), -100, dtype=torch.long)
+    # The last `supervised` tokens are assistant tokens (their predecessors are the loss rows).
+    labels[seq_len - supervised :] = ids[0, seq_len - supervised :]
+    return ids, labels
+
+
+def train_steps(model, case: Case, device, steps: int, seed: int = 0) -> None:
+    """Real steps, as `kiln_train.trainer` runs them."""
+    from kiln_train.loss import sft_loss
+    from kiln_train.model import attach_lora
+    from kiln_train.optim import build_optimizer
+    from kiln_train.sft_config import AdamWConfig, MuonConfig, SgdConfig
+
+    lora = attach_lora(model, case.rank, float(2 * case.rank), seed)
+    named = lora.named_parameters()
+    opt_cfg = {"sgd": SgdConfig, "adam_w": AdamWConfig, "muon": MuonConfig}[case.optimizer](
+        kind=case.optimizer
+    )
+    optimizer = build_optimizer(opt_cfg, named, 1e-4)
+    try:
+        for step in range(steps):
+            ids, labels = _make_row(case.seq_len, case.supervised, model.config.vocab_size, seed + step)
+            ids, labels = ids.to(device), labels.to(device)
+            hidden = model.hidden_states(ids, num_segments=case.segments)
+            loss = sft_loss(case.route, hidden, model.lm_head_weight, labels)
+            loss.backward()
+            grads = {name: p.grad for name, p in named}
+            optimizer.step(grads)
+            del hidden, loss, grads
+            for _, p in named:
+                p.grad = None
+    finally:
+        del optimizer
+        lora.remove(model)
+
+
+def run_child(model_dir: str, device_name: str, case: Case) -> dict:
+    import torch
+
+    from kiln_train.memory import apply_cpu_allocator_policy
+    from kiln_train.model import load_model
+
+    torch.manual_seed(0)
+    device = torch.device(device_name)
+    if device.type == "cpu" and not apply_cpu_allocator_policy():
+        raise RuntimeError("the cpu allocator policy could not be applied (not glibc?)")
+    model = load_model(model_dir, device=device)
+    _release_heap()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    else:
+        base = _rss_bytes()
+        _reset_hwm()
+    train_steps(model, case, device, steps=2)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = _hwm_bytes()
+    return {"actual": max(0, peak - base), "baseline": base}
+
+
+# ----- the parent --------------------------------------------------------------------------
+
+
+def estimate_case(model_dir: str, device_name: str, case: Case):
+    from kiln_train.backend import backend_for_device
+    from kiln_train.memory import estimate
+    from kiln_train.model_config import load_config
+
+    return estimate(
+        load_config(model_dir),
+        max_seq_len=case.seq_len,
+        max_supervised_tokens=case.supervised,
+        lora_rank=case.rank,
+        optimizer_kind=case.optimizer,
+        num_segments=case.segments,
+        loss_route=case.route,
+        backend=backend_for_device(device_name),
+        weights_resident=True,
+    )
+
+
+def measure(model_dir: str, device_name: str, case: Case) -> int:
+    """Run one case in a fresh interpreter; returns the actual peak bytes."""
+    cmd = [sys.executable, __file__, "--child", json.dumps(asdict(case)), "--model-dir", model_dir]
+    cmd += ["--device", device_name]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"case {case} failed:\n{out.stderr[-4000:]}")
+    return int(json.loads(out.stdout.strip().splitlines()[-1])["actual"])
+
+
+def run_table(model_dir: str, device_name: str, cases: list[Case]) -> list[dict]:
+    rows = []
+    print(
+        f"{'T':>6} {'A':>6} {'rank':>5} {'optimizer':>9} {'seg':>4} {'route':>13} "
+        f"{'estimate MiB':>13} {'actual MiB':>11} {'est/act':>8}",
+        flush=True,
+    )
+    for case in cases:
+        est = estimate_case(model_dir, device_name, case).total
+        act = measure(model_dir, device_name, case)
+        ratio = est / act if act else float("inf")
+        rows.append(
+            {**asdict(case), "supervised": case.supervised, "estimate": est, "actual": act, "ratio": ratio}
+        )
+        flag = "  UNDER" if est < act else ""
+        print(
+            f"{case.seq_len:>6} {case.supervised:>6} {case.rank:>5} {case.optimizer:>9} {case.segments:>4} "
+            f"{case.route:>13} {est / MIB:>13.1f} {act / MIB:>11.1f} {ratio:>8.2f}{flag}",
+            flush=True,
+        )
+    return rows
+
+
+def summarize(rows: list[dict]) -> str:
+    worst_under = min(r["ratio"] for r in rows)
+    long_rows = [r for r in rows if r["seq_len"] >= 1024]
+    worst_over = max((r["ratio"] for r in long_rows), default=float("nan"))
+    return (
+        f"lowest estimate/actual (must be >= 1): {worst_under:.2f}; "
+        f"highest estimate/actual for T >= 1024 (target <= 1.5): {worst_over:.2f}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--model-dir")
+    parser.add_argument("--child")
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(run_child(args.model_dir, args.device, Case(**json.loads(args.child)))))
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model_dir
+        if model_dir is None:
+            from kiln_train.tiny import write_tiny_checkpoint
+
+            model_dir = str(write_tiny_checkpoint(Path(tmp) / args.preset, args.preset, with_tokenizer=False))
+        rows = run_table(model_dir, args.device, quick_cases() if args.quick else full_cases())
+    print(summarize(rows))
+    return 0 if all(r["estimate"] >= r["actual"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
