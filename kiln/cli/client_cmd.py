@@ -138,7 +138,7 @@ def report_api_error(err: ApiError) -> None:
 
 
 def report_unreachable(err: ApiUnreachable) -> None:
-    base = err.url.split("/v1/", 1)[0].split("?", 1)[0]
+    base = err.base_url
     click.echo(f"kiln: cannot reach the Kiln api: {err.url}: {err.reason}", err=True)
     click.echo(
         f"  is `kiln serve` running at {base}? Pass --url (or set {URL_ENV}) for another address.", err=True

@@ -21,7 +21,8 @@ import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -64,10 +65,11 @@ class LocalFileError(Exception):
 class ApiUnreachable(Exception):
     """No HTTP answer at all: refused, unresolvable, timed out, or cut off mid-response."""
 
-    def __init__(self, url: str, reason: str) -> None:
+    def __init__(self, url: str, reason: str, base_url: str) -> None:
         super().__init__(f"{url}: {reason}")
         self.url = url
         self.reason = reason
+        self.base_url = base_url
 
 
 @dataclass(frozen=True)
@@ -151,25 +153,37 @@ class ApiClient:
                 raw = response.read()
                 status, reply_headers = response.status, response.headers
         except http.client.HTTPException as exc:
-            raise ApiUnreachable(url, f"the connection broke mid-response ({exc!r})") from None
+            raise self._unreachable(url, f"the connection broke mid-response ({exc!r})") from None
         except OSError as exc:
-            raise ApiUnreachable(url, _reason(exc)) from None
+            raise self._unreachable(url, _reason(exc)) from None
         return Reply(status, reply_headers, _decode_json(raw, status, url))
 
-    def download(self, path: str, sink: BinaryIO) -> int:
-        """Stream a binary response body into `sink`; the number of bytes written."""
+    @contextmanager
+    def stream(self, path: str) -> Iterator[Iterator[bytes]]:
+        """A binary response body as chunks. The request is answered before the caller sees the
+        iterator, so an error status raises here and nothing local need exist yet."""
         url = self._url(path, None)
-        written = 0
         try:
-            with self._open("GET", url, None, {"Accept": "application/gzip"}, None) as response:
-                while chunk := response.read(DOWNLOAD_CHUNK):
-                    sink.write(chunk)
-                    written += len(chunk)
+            response = self._open("GET", url, None, {"Accept": "application/gzip"}, None)
         except http.client.HTTPException as exc:
-            raise ApiUnreachable(url, f"the connection broke mid-download ({exc!r})") from None
+            raise self._unreachable(url, f"no valid HTTP answer ({exc!r})") from None
         except OSError as exc:
-            raise ApiUnreachable(url, _reason(exc)) from None
-        return written
+            raise self._unreachable(url, _reason(exc)) from None
+
+        def chunks() -> Iterator[bytes]:
+            try:
+                while chunk := response.read(DOWNLOAD_CHUNK):
+                    yield chunk
+            except http.client.HTTPException as exc:
+                raise self._unreachable(url, f"the connection broke mid-download ({exc!r})") from None
+            except OSError as exc:
+                raise self._unreachable(url, _reason(exc)) from None
+
+        with response:
+            yield chunks()
+
+    def _unreachable(self, url: str, reason: str) -> ApiUnreachable:
+        return ApiUnreachable(url, reason, self.base_url)
 
     def _url(self, path: str, query: Mapping[str, Any] | None) -> str:
         url = self.base_url + path
@@ -236,18 +250,22 @@ def _reason(exc: OSError) -> str:
 
 
 def download_archive(client: ApiClient, path: str, target: Path, force: bool) -> int:
-    """Save a download at `target` (written beside it, then renamed: never a partial file)."""
+    """Save a download at `target`: written beside it, then renamed, so an error reply or a broken
+    transfer leaves no file (a partial archive is never mistaken for an adapter)."""
     if target.exists() and not force:
         raise LocalFileError(f"{target} exists; pass --force to overwrite it")
-    directory = target.parent if str(target.parent) else Path(".")
-    fd, partial = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as sink:
-            size = client.download(path, sink)
-        os.replace(partial, target)
-    except BaseException:
-        Path(partial).unlink(missing_ok=True)
-        raise
+    size = 0
+    with client.stream(path) as chunks:
+        fd, partial = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+        try:
+            with os.fdopen(fd, "wb") as sink:
+                for chunk in chunks:
+                    sink.write(chunk)
+                    size += len(chunk)
+            os.replace(partial, target)
+        except BaseException:
+            Path(partial).unlink(missing_ok=True)
+            raise
     return size
 
 
@@ -257,18 +275,23 @@ def extract_archive(client: ApiClient, path: str, name: str, directory: Path) ->
     target = directory / name
     if target.exists():
         raise LocalFileError(f"{target} exists; remove it or choose another --extract directory")
+    with client.stream(path) as chunks, tempfile.TemporaryFile() as archive:
+        for chunk in chunks:
+            archive.write(chunk)
+        archive.seek(0)
+        return _unpack(archive, name, directory, target)
+
+
+def _unpack(archive: BinaryIO, name: str, directory: Path, target: Path) -> tuple[Path, list[str]]:
     directory.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".partial", dir=directory))
     try:
-        with tempfile.TemporaryFile() as archive:
-            client.download(path, archive)
-            archive.seek(0)
-            with tarfile.open(fileobj=archive, mode="r:gz") as tar:
-                members = tar.getmembers()
-                strays = [m.name for m in members if m.name != name and not m.name.startswith(f"{name}/")]
-                if strays:
-                    raise LocalFileError(f"the archive holds paths outside {name}/: {strays[:3]}")
-                tar.extractall(staging, filter="data")
+        with tarfile.open(fileobj=archive, mode="r:gz") as tar:
+            members = tar.getmembers()
+            strays = [m.name for m in members if m.name != name and not m.name.startswith(f"{name}/")]
+            if strays:
+                raise LocalFileError(f"the archive holds paths outside {name}/: {strays[:3]}")
+            tar.extractall(staging, filter="data")
         files = sorted(m.name.removeprefix(f"{name}/") for m in members if m.isfile())
         os.replace(staging / name, target)
     except tarfile.TarError as exc:

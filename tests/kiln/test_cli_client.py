@@ -21,7 +21,7 @@ import time
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,13 +32,13 @@ from click.testing import CliRunner
 from werkzeug.serving import make_server
 
 from api import create_app
-from kiln.cli import client_cmd, client_view
+from kiln.cli import client_cmd, client_view, sft_submit
 from kiln.cli.client_view import ProgressLine
 from kiln.cli.http_client import settings_url
 from kiln.cli.main import cli
 from kiln.cli.sft_submit import read_smoke_prompts
 from kiln.settings import Settings
-from kiln.store import make_engine, register_adapter, register_runner, session_factory
+from kiln.store import claim_job, make_engine, register_adapter, register_runner, session_factory
 from tests.api.conftest import REDIS_URL, example, make_settings, runner_kwargs, tiny_model_dir  # noqa: F401
 from tests.kiln.test_store_support import migrated_database
 from tests.worker.test_e2e import KILN, Stack, free_port
@@ -98,6 +98,7 @@ class Server:
     sessions: object
     recorder: Recorder
     queue: str
+    stop: Callable[[], None]
 
 
 @contextmanager
@@ -122,11 +123,16 @@ def api_server(root: Path, runner: dict | None, **sections: dict) -> Iterator[Se
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
         port = server.server_port
-        try:
-            yield Server(f"http://127.0.0.1:{port}", port, settings, sessions, recorder, queue)
-        finally:
+
+        def stop() -> None:
             server.shutdown()
+            server.server_close()
             thread.join()
+
+        try:
+            yield Server(f"http://127.0.0.1:{port}", port, settings, sessions, recorder, queue, stop)
+        finally:
+            stop()
             app.extensions["kiln"].close()
             engine.dispose()
             client = redis.Redis.from_url(REDIS_URL)
@@ -473,6 +479,32 @@ def test_progress_line_redraws_on_a_terminal_and_logs_moves_otherwise(capsys, mo
     ]
 
 
+def test_an_api_gone_while_waiting_exits_3_after_the_grace_period(kiln, tmp_path, runner_kwargs, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(sft_submit, "UNREACHABLE_GRACE_S", 1.0)
+    data = write_jsonl(tmp_path / "d.jsonl", [example(1)])
+    with api_server(tmp_path / "api", runner_kwargs) as doomed:
+
+        def stop_after_the_first_poll() -> None:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                if any(r.path.startswith("/v1/train/status/") for r in doomed.recorder.requests):
+                    doomed.stop()
+                    return
+                time.sleep(0.05)
+
+        stopper = threading.Thread(target=stop_after_the_first_poll)
+        stopper.start()
+        started = time.monotonic()
+        code, out, err = kiln(
+            "train", "sft", "--data", str(data), "--poll-interval", "0.1", url=doomed.url
+        )  # fmt: skip
+        stopper.join()
+    assert code == 3
+    assert time.monotonic() - started >= 1.0  # it kept polling through the grace period
+    job_id = out.splitlines()[0].split()[1]
+    assert f"/v1/train/status/{job_id}" in err and f"is `kiln serve` running at {doomed.url}?" in err
+
+
 # ----- kiln jobs ------------------------------------------------------------------------------
 
 
@@ -517,6 +549,19 @@ def test_jobs_list_show_cancel_delete(kiln, server, tmp_path):
     assert (code, out) == (0, f"job {cancelled['job_id']} deleted\n"), err
     code, out, _ = kiln("jobs", "list", "--json")
     assert cancelled["job_id"] not in {j["job_id"] for j in json.loads(out)}
+
+
+def test_cancelling_a_running_job_is_cooperative(kiln, server, tmp_path):
+    job_id = submit(kiln, tmp_path)["job_id"]
+    with server.sessions.begin() as session:
+        assert claim_job(session, job_id, "w-cli", 60) is not None
+    code, out, err = kiln("jobs", "cancel", job_id)
+    assert code == 0, err
+    assert out == f"job {job_id} cancelling: stop requested — the trainer aborts at the next step boundary\n"
+    code, out, err = kiln("jobs", "cancel", job_id, "--json")
+    assert json.loads(out)["status"] == "cancelling"
+    code, out, _ = kiln("jobs", "show", job_id)
+    assert "state      running" in out and "epoch 1/1" in out
 
 
 def test_unknown_job_is_the_servers_404(kiln):
