@@ -284,6 +284,23 @@ def test_train_sft_maps_every_flag_to_its_config_field(kiln, server, tmp_path):
     assert f"job {admission['job_id']} queued (Idempotency-Key replay" in out
 
 
+def test_warm_start_and_resume_flags_are_sent_and_judged_by_the_server(kiln, server, tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", [example(1)])
+    code, out, err = kiln(
+        "train", "sft", "--data", str(data), "--resume-checkpoint", "nope.kiln-checkpoint",
+        "--base-adapter", "no-such-adapter", "--allow-high-lora-scale", "--no-wait",
+    )  # fmt: skip
+    assert code == 1 and out == ""
+    assert "training_invalid_request (HTTP 400)" in err and "checkpoint 'nope.kiln-checkpoint'" in err
+    assert "  hint: Exact checkpoints are immutable" in err
+    assert server.recorder.posts()[-1].json()["config"] == {
+        "training_profile": PROFILE,
+        "resume_checkpoint": "nope.kiln-checkpoint",
+        "base_adapter": "no-such-adapter",
+        "allow_high_lora_scale": True,
+    }
+
+
 def test_a_text_prompts_file_is_one_prompt(kiln, server, tmp_path):
     prompts = tmp_path / "prompt.txt"
     prompts.write_text("Say something about kilns.\nIn two lines.\n", encoding="utf-8")
