@@ -139,7 +139,7 @@ def register(cli: click.Group) -> None:
                 "--rank", "8",
                 "--alpha", "16",
                 "--optimizer", "adam_w",
-                "--learning-rate", "0.002",
+                "--learning-rate", "0.005",
                 "--seed", "42",
                 "--checkpoint-interval", "20",
                 "--output-name", name,
