@@ -20,7 +20,7 @@ import ctypes
 import ctypes.util
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from kiln_train.backend import FULL_LOGITS, KT_TAPE_FLCE, Backend
@@ -39,11 +39,11 @@ LOSS_CHUNK_SCRATCH_BYTES = 256 * MIB
 
 OPTIMIZER_STATE_BUFFERS = {"sgd": 0, "muon": 1, "adam_w": 2}
 
-# Memory the compute runtime itself takes on the first training step and keeps: on cpu the
-# OpenMP/BLAS/oneDNN thread buffers and kernel caches (measured ~50 MiB in a fresh process running
-# a 16-token step); on cuda the cuBLAS workspaces and attention/GDN kernel workspaces served by
-# the caching allocator.
-RUNTIME_SCRATCH_BYTES = {"cpu": 64 * MIB, "cuda": 64 * MIB}
+# Memory the compute runtime takes for a row beyond its tensors: on cpu BLAS/oneDNN buffers and
+# per-shape kernel caches (up to ~35 MiB measured on a warmed-up worker; the one-time thread pools
+# and imports are part of the worker's resident baseline, see `qualification/memory_honesty.py`);
+# on cuda the cuBLAS workspaces and attention/GDN kernel workspaces of the caching allocator.
+RUNTIME_SCRATCH_BYTES = {"cpu": 48 * MIB, "cuda": 64 * MIB}
 ESTIMATED_ROUTES = (KT_TAPE_FLCE, FULL_LOGITS)
 
 F32 = 4
@@ -92,16 +92,29 @@ class Breakdown:
         return saturate(self.per_segment_activations + self.boundary_states)
 
     @property
-    def total(self) -> int:
+    def working_set(self) -> int:
+        """The step's peak before the safety margin.
+
+        With one segment the loss runs on top of every saved activation, so both count. With
+        more, the loss's forward and backward finish (its saved state freed) before the first
+        segment is recomputed, so only the larger of the two phases counts.
+        """
+        if self.num_segments == 1:
+            phases = self.per_segment_activations + self.loss_workspace
+        else:
+            phases = max(self.per_segment_activations, self.loss_workspace)
         return saturate(
             self.base_weights
-            + self.activations
-            + self.loss_workspace
+            + self.boundary_states
+            + phases
             + self.lora_param_grad
             + self.lora_optimizer_state
             + self.residency_scratch
-            + self.safety_margin
         )
+
+    @property
+    def total(self) -> int:
+        return saturate(self.working_set + self.safety_margin)
 
     def fits(self, available_bytes: int) -> bool:
         return self.total < U64_MAX and self.total <= available_bytes
@@ -153,7 +166,11 @@ class Breakdown:
 # when importable, which keeps far less than the torch chunked form charged here (an upper bound).
 
 GDN_CHUNK = 64  # kiln_train.model.delta_rule.CHUNK_SIZE (this module must not import torch)
-BACKWARD_WORKSPACE_LAYERS = 1  # backward of one layer allocates at most its own saved size again
+# While a layer runs backward, the gradients it creates mostly replace saved tensors that its
+# finished nodes have freed (measured: the tensor peak stays within the saved set); charged: 1/8 of
+# the largest layer plus four [T, h] gradients flowing along the residual stream.
+BACKWARD_WORKSPACE_DIVISOR = 8
+GRADIENT_FLOW_STATES = 4
 
 
 def _ceil_to(value: int, multiple: int) -> int:
@@ -203,16 +220,33 @@ def layer_activation_bytes(config: Qwen35Config, t: int, r: int, e: int) -> list
     ]
 
 
-def segment_activation_bytes(config: Qwen35Config, t: int, r: int, e: int, num_segments: int) -> int:
-    """Activations live while the largest segment runs backward.
+def segment_layer_ranges(num_layers: int, num_segments: int) -> list[tuple[int, int]]:
+    """[start, stop) layers of each checkpoint segment: `kiln_train.model.checkpointing`'s cut
+    (numpy.array_split sizes, the first L mod S segments one layer longer)."""
+    size, extra = divmod(num_layers, num_segments)
+    bounds, start = [], 0
+    for s in range(num_segments):
+        stop = start + size + (1 if s < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
 
-    The longest segment holds ceil(L/s) layers; charging the ceil(L/s) most expensive layers bounds
-    it whatever the exact cut. While one layer runs backward its gradient temporaries add at most
-    its own saved size again (`BACKWARD_WORKSPACE_LAYERS`).
+
+def segment_activation_bytes(config: Qwen35Config, t: int, r: int, e: int, num_segments: int) -> int:
+    """Activations live while the heaviest segment runs backward (all layers with one segment).
+
+    The segment's saved activations (recomputed under checkpointing) plus the backward allowance:
+    1/`BACKWARD_WORKSPACE_DIVISOR` of its largest layer and `GRADIENT_FLOW_STATES` [T, h] gradients.
     """
-    per_layer = sorted(layer_activation_bytes(config, t, r, e), reverse=True)
-    layers = -(-config.num_hidden_layers // num_segments)
-    return sum(per_layer[:layers]) + BACKWARD_WORKSPACE_LAYERS * per_layer[0]
+    per_layer = layer_activation_bytes(config, t, r, e)
+    heaviest = max(
+        sum(per_layer[start:stop])
+        for start, stop in segment_layer_ranges(config.num_hidden_layers, num_segments)
+    )
+    allowance = (
+        max(per_layer) // BACKWARD_WORKSPACE_DIVISOR + GRADIENT_FLOW_STATES * t * config.hidden_size * e
+    )
+    return heaviest + allowance
 
 
 def boundary_bytes(config: Qwen35Config, t: int, e: int, num_segments: int) -> int:
@@ -316,11 +350,7 @@ def estimate(
     scratch = saturate(
         8 * F32 * largest_leaf + lora_elements + RUNTIME_SCRATCH_BYTES.get(backend.name, 64 * MIB)
     )
-    working = saturate(weights + activations + boundaries + loss + param_grad + optimizer_state + scratch)
-    # Allocator rounding and fragmentation: 1/16 of the working set. The fixed reserve beside it
-    # is the budget's `[memory].reserve_gb`.
-    margin = saturate(-(-working // 16))
-    return Breakdown(
+    breakdown = Breakdown(
         base_weights=saturate(weights),
         per_segment_activations=activations,
         boundary_states=boundaries,
@@ -328,7 +358,7 @@ def estimate(
         lora_param_grad=param_grad,
         lora_optimizer_state=optimizer_state,
         residency_scratch=scratch,
-        safety_margin=margin,
+        safety_margin=0,
         max_seq_len=t,
         max_supervised_tokens=a,
         lora_rank=r,
@@ -336,6 +366,9 @@ def estimate(
         loss_route=loss_route,
         optimizer_kind=optimizer_kind,
     )
+    # Allocator rounding and fragmentation: 1/16 of the working set. The fixed reserve beside it
+    # is the budget's `[memory].reserve_gb`.
+    return replace(breakdown, safety_margin=saturate(-(-breakdown.working_set // 16)))
 
 
 # ----- planning ------------------------------------------------------------------------------

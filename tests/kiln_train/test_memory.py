@@ -22,6 +22,7 @@ from kiln_train.memory import (
     max_rank_that_fits,
     plan_segments,
     saturate,
+    segment_layer_ranges,
     vocab_chunk_size,
     will_not_fit_message,
 )
@@ -113,7 +114,7 @@ def test_qwen35_4b_components_on_cuda():
     assert b.lora_param_grad == 1_904_640 * 16 * 2 * 2 == 121_896_960
     # AdamW: m and v in bf16.
     assert b.lora_optimizer_state == 1_904_640 * 16 * 2 * 2
-    # Largest leaf 9216 x 16 in f32 x 8 temporaries, one byte per gradient element, 64 MiB runtime.
+    # Largest leaf 9216 x 16 in f32 x 8 temporaries, one byte per gradient element, 64 MiB cuda runtime.
     assert b.residency_scratch == 8 * 4 * 9216 * 16 + 1_904_640 * 16 + 64 * 2**20 == 102_301_696
     # One gated full-attention layer at T = 4096 (h 2560, i 9216, qd 4096, kvd 1024, e = 2):
     #   T·(2·4·h + 2·2·h + 4·2·i) + 16·h          norms, normed inputs, SwiGLU
@@ -123,8 +124,13 @@ def test_qwen35_4b_components_on_cuda():
     # the same common part + T·(2·conv + 4·conv + 14·vd + 2·vd + 6·2·16 + 32·32 + 8·16)
     # + 4·T·(6·32·64 + 10·32·128 + 4·32·128) + 4·2·32·128·128·(T/64) + constants.
     assert gdn_layer_bytes(QWEN35_4B, 4096, 16, 2) == 2_312_555_008
-    # 8 segments: 4 layers in the longest one (the 4 heaviest = GDN) + one layer's backward.
-    assert b.per_segment_activations == 5 * 2_312_555_008
+    # 8 segments of 4 layers, each 3 GDN + 1 attention; backward allowance: 1/8 of the largest
+    # layer and four bf16 [T, h] gradients.
+    assert (
+        b.per_segment_activations
+        == 3 * 2_312_555_008 + 748_167_168 + 2_312_555_008 // 8 + 4 * 4096 * 2560 * 2
+    )
+    assert b.per_segment_activations == 8_058_787_648
     # (8+1) boundaries of T·h bf16 + the final norm's f32 input + the hidden output + rope tables.
     assert b.boundary_states == 4096 * (9 * 2560 * 2 + 4 * 2560 + 2560 * 2 + 2 * 64 * 2) == 252_706_816
     # kt_tape_flce, A = 2048 rows, chunk 4096, bf16 rows upcast per chunk.
@@ -140,10 +146,36 @@ def test_qwen35_4b_components_on_cuda():
         + 2 * 4096 * h
     )
     assert b.loss_workspace == expected_loss == 235_012_096
-    working = 8_411_502_592 + 5 * 2_312_555_008 + 252_706_816 + 235_012_096 + 2 * 121_896_960 + 102_301_696
+    # Segmented: the loss finishes before any segment is recomputed, so the larger phase counts.
+    working = 8_411_502_592 + 252_706_816 + max(8_058_787_648, 235_012_096) + 2 * 121_896_960 + 102_301_696
+    assert b.working_set == working == 17_069_092_672
     assert b.safety_margin == -(-working // 16)
     assert b.total == working + b.safety_margin
     assert b.activations == b.per_segment_activations + b.boundary_states
+
+
+def test_one_segment_adds_the_loss_on_top_of_all_activations():
+    b = est(num_segments=1)
+    layers = 24 * 2_312_555_008 + 8 * 748_167_168
+    assert b.per_segment_activations == layers + 2_312_555_008 // 8 + 4 * 4096 * 2560 * 2
+    assert b.working_set == (
+        b.base_weights
+        + b.boundary_states
+        + b.per_segment_activations
+        + b.loss_workspace
+        + b.lora_param_grad
+        + b.lora_optimizer_state
+        + b.residency_scratch
+    )
+
+
+def test_segment_cut_matches_the_model():
+    torch = pytest.importorskip("torch")  # noqa: F841 - the model's checkpointing module needs torch
+    from kiln_train.model.checkpointing import segment_bounds
+
+    for layers in range(1, 65):
+        for segments in range(1, layers + 1):
+            assert segment_layer_ranges(layers, segments) == segment_bounds(layers, segments)
 
 
 def test_cpu_backend_charges_f32_everywhere():
