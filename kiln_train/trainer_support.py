@@ -1,5 +1,6 @@
 """Pieces of the SFT trainer that are not the loop: the training scope, step reports, results,
-gradient-norm statistics, segment planning per row, failure classification and publication.
+gradient-norm statistics, segment planning per row, failure classification, publication, and the
+identity a run records (checkpoint `auxiliary_state`, receipt facts).
 """
 
 from __future__ import annotations
@@ -16,10 +17,15 @@ from pathlib import Path
 import torch
 
 from kiln_train import adapter as adapter_io
+from kiln_train import checkpoint as ckpt
 from kiln_train.backend import FULL_LOGITS
 from kiln_train.checkpoint import GradNormStats
 from kiln_train.errors import TrainingFailure
+from kiln_train.ingestion import IngestionResult, kept_corpus_sha256
+from kiln_train.memory import estimate
+from kiln_train.model.checkpointing import segment_bounds
 from kiln_train.model_config import LORA_TARGET_MODULES
+from kiln_train.provenance import git_state, json_sha256
 from kiln_train.receipt import RunFacts, adapter_manifest, build_receipt
 from kiln_train.resident import ResidentModel
 from kiln_train.sft_config import MAX_LORA_ALPHA_OVER_RANK, SftConfig
@@ -228,3 +234,126 @@ def publish_success(
 
 def new_run_id() -> str:
     return uuid.uuid4().hex[:12]
+
+
+# ----- planning and identity (what checkpoints bind and receipts record) ------------------------
+PLANNING_BOUNDARY_POLICY = {
+    "recompute_mode": "segments",
+    "recompute_threshold_tokens": None,
+    "anchor_stride": None,
+    "cache_target_bytes": None,
+}
+
+
+def default_checkpoint_plan(config: SftConfig) -> dict:
+    return {"max_segments": config.grad_checkpoint_segments or 1, "auto": False, "budget_bytes": None}
+
+
+def per_row_plan(
+    resident: ResidentModel, config: SftConfig, ingestion: IngestionResult, plan: dict, route: str
+):
+    """Segments for every kept row, and the plan list whose digest the checkpoint binds."""
+    cfg = resident.config
+
+    def fits(seq_len: int, supervised: int, segments: int) -> bool:
+        b = estimate(
+            cfg,
+            max_seq_len=seq_len,
+            max_supervised_tokens=supervised,
+            lora_rank=config.lora_rank,
+            optimizer_kind=config.optimizer.kind,
+            num_segments=segments,
+            loss_route=route,
+            backend=resident.backend,
+            weights_resident=True,
+        )
+        return b.fits(int(plan["budget_bytes"]))
+
+    segments, entries = [], []
+    for row in ingestion.rows:
+        s = row_segments(plan, row.seq_len, row.supervised_tokens, fits)
+        segments.append(s)
+        entries.append(
+            {
+                "seq_len": row.seq_len,
+                "enabled": s > 1,
+                "num_segments": s,
+                "auto_configured": bool(plan.get("auto", False)),
+                "boundaries": [start for start, _ in segment_bounds(cfg.num_hidden_layers, s)],
+            }
+        )
+    return segments, entries
+
+
+def auxiliary_state(
+    resident: ResidentModel, config: SftConfig, ingestion: IngestionResult, route: str, plan_entries: list
+) -> dict:
+    """`auxiliary_state` of an SFT checkpoint (kiln-contract §5.3): everything resume must match."""
+    ident = resident.identity
+    precision = resident.backend.precision_policy(config.optimizer.kind)
+    return {
+        "loop_state_type": ckpt.SFT_LOOP_STATE_TYPE,
+        "model_config_sha256": ident["model_config_sha256"],
+        "tokenizer_config_sha256": ident["tokenizer_config_sha256"],
+        "chat_template_sha256": ident["chat_template_sha256"],
+        "training_chat_template_sha256": ident["training_chat_template_sha256"],
+        "base_model_weights_sha256": resident.base_weights_sha256,
+        "base_weight_shard_manifest": resident.shard_manifest,
+        "execution_provenance": resident.provenance,
+        "backend_runtime": {"backend": resident.backend.name, "device": resident.backend.device},
+        "kiln_train_version": resident.provenance["build"]["package_version"],
+        "gradient_checkpoint_plan_sha256": json_sha256(plan_entries),
+        "ingestion_receipt_sha256": json_sha256(ingestion.receipt),
+        "training_precision_policy": precision,
+        "training_runtime_planning_identity": {
+            "schema": ckpt.SFT_PLANNING_SCHEMA,
+            "sft_loss_route": route,
+            "checkpoint_boundary_policy": PLANNING_BOUNDARY_POLICY,
+            "runtime_device": resident.backend.device,
+        },
+        "valid_indices_sha256": json_sha256(sorted(r.row_index for r in ingestion.rows)),
+    }
+
+
+def verify_rows(ingestion: IngestionResult) -> None:
+    """Re-verify the admitted rows against their receipt before any training work."""
+    receipt = ingestion.receipt
+    hashes = [r.row_sha256 for r in ingestion.rows]
+    if not ingestion.rows or len(hashes) != receipt["rows_kept"] or hashes != receipt["kept_row_hashes"]:
+        raise TrainingFailure("data_schema_error", "the admitted rows do not match their ingestion receipt")
+    if kept_corpus_sha256(hashes) != receipt["kept_corpus_sha256"]:
+        raise TrainingFailure("data_schema_error", "the kept-corpus digest does not recompute")
+    for row in ingestion.rows:
+        if len(row.input_ids) != len(row.labels) or row.seq_len < 2 or row.supervised_tokens < 1:
+            raise TrainingFailure(
+                "zero_action_tokens", f"row {row.row_index} ({row.row_sha256}) has no supervised target"
+            )
+
+
+def run_facts(
+    resident: ResidentModel, config: SftConfig, ingestion: IngestionResult, route: str, name: str
+) -> RunFacts:
+    commit, dirty = git_state()
+    prov = resident.provenance
+    return RunFacts(
+        adapter_name=name,
+        config=config.to_json(),
+        learning_rate=float(config.learning_rate),
+        seed=int(config.seed),
+        rank=config.lora_rank,
+        alpha=config.lora_alpha,
+        epochs=config.epochs,
+        ingestion=ingestion.receipt,
+        loss_route=route,
+        training_precision=resident.backend.precision_policy(config.optimizer.kind),
+        execution_provenance=prov,
+        model_path=str(resident.model_dir),
+        model_identity=resident.identity,
+        base_weight_shard_manifest=resident.shard_manifest,
+        package_version=prov["build"]["package_version"],
+        git_commit=commit,
+        git_dirty=dirty,
+        env_config_hash=prov["configuration"]["effective_environment_sha256"],
+        tokens_per_epoch=ingestion.total_tokens,
+        supervised_per_epoch=ingestion.total_supervised_tokens,
+    )

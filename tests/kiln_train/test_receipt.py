@@ -8,7 +8,7 @@ import pytest
 
 from kiln_train.errors import FAILURE_REASONS
 from kiln_train.receipt import build_receipt, validate_receipt
-from kiln_train.trainer import _facts
+from kiln_train.trainer_support import run_facts
 from tests.kiln_train import trainer_fixtures as fx
 from tests.kiln_train.trainer_fixtures import conversations, ingest, make_config
 
@@ -46,7 +46,7 @@ TOP_LEVEL_ORDER = [
 def facts(resident):
     ingestion = ingest(resident, conversations(3))
     config = make_config(seed=99, epochs=4)
-    f = _facts(resident, config, ingestion, resident.backend.sft_loss_route, "receipt-unit")
+    f = run_facts(resident, config, ingestion, resident.backend.sft_loss_route, "receipt-unit")
     return f, ingestion
 
 
