@@ -18,6 +18,7 @@ import uuid
 from kiln import store
 from kiln.settings import Settings
 from kiln.store import states
+from kiln_train.errors import KilnError
 from kiln_train.memory import available_budget
 from kiln_train.provenance import file_digest
 from kiln_train.resident import ResidentModel
@@ -227,7 +228,15 @@ class WorkerRuntime:
         if shortfall is not None:
             self._finish_failed(pinned.job_id, "oom", shortfall, code=RESERVATION_FAILED_CODE)
             return "failed"
-        result = train_sft(
+        try:
+            result = self._train(pinned, work)
+        except KilnError as exc:  # refused before training (e.g. a name taken since admission)
+            self._finish_failed(pinned.job_id, "training_error", exc.message, code=exc.code)
+            return "failed"
+        return self._record_result(pinned, result)
+
+    def _train(self, pinned: PinnedJob, work) -> TrainResult:
+        return train_sft(
             self.resident,
             work.config,
             work.ingestion,
@@ -241,7 +250,6 @@ class WorkerRuntime:
             on_checkpoint=lambda record: self._on_checkpoint(pinned.job_id, record),
             run_id=pinned.job_id[:8] + "-" + uuid.uuid4().hex[:6],
         )
-        return self._record_result(pinned, result)
 
     def _reserve(self, pinned: PinnedJob) -> str | None:
         """Admission priced the step; check the device still has that much before touching it."""

@@ -231,3 +231,13 @@ def test_a_doorbell_runs_older_queued_jobs_first(client, runtime, sessions):
     assert [j.state for j in jobs] == [states.COMPLETED] * 3
     assert jobs[0].started_at < jobs[1].started_at < jobs[2].started_at
     assert [runtime.run_job(i) for i in ids[:2]] == ["dropped", "dropped"]
+
+
+def test_an_adapter_name_taken_after_admission_fails_the_job_cleanly(client, runtime, sessions, settings):
+    name = unique_name("taken")
+    job_id = submit(client, sft_body(2, output_name=name))
+    (settings.adapters_dir / name).mkdir(parents=True)  # someone published that name meanwhile
+    assert runtime.run_job(job_id) == "failed"
+    job = job_row(sessions, job_id)
+    assert job.state == states.FAILED and job.failure_reason == "training_error"
+    assert "already exists" in job.error_message and steps(sessions, job_id) == []
