@@ -87,7 +87,19 @@ class _Loop:
 class SftRun:
     """One call of `train_sft`: the state shared by the loop, checkpoints and publication."""
 
-    def __init__(self, resident, config, ingestion, *, loss_route, registry, adapter_name, plan, run_id):
+    def __init__(
+        self,
+        resident,
+        config,
+        ingestion,
+        *,
+        loss_route,
+        registry,
+        adapter_name,
+        plan,
+        run_id,
+        on_checkpoint=None,
+    ):
         self.resident = resident
         self.config = config
         self.ingestion = ingestion
@@ -108,6 +120,7 @@ class SftRun:
         self.segments: list[int] = []
         self.aux: dict = {}
         self.base_adapter_identity: dict | None = None
+        self.on_checkpoint: Callable[[dict], None] | None = on_checkpoint
 
     # ----- set-up ------------------------------------------------------------------------
     def prepare(self, resume_checkpoint: Path | None) -> None:
@@ -344,8 +357,6 @@ class SftRun:
             self.on_checkpoint(record)
         return published
 
-    on_checkpoint: Callable[[dict], None] | None = None
-
 
 def train_sft(
     resident: ResidentModel,
@@ -393,8 +404,8 @@ def train_sft(
         adapter_name=name,
         plan=plan,
         run_id=run_id,
+        on_checkpoint=on_checkpoint,
     )
-    run.on_checkpoint = on_checkpoint
     try:
         run.prepare(Path(resume_checkpoint) if resume_checkpoint is not None else None)
         run.run(progress, should_stop)
