@@ -34,6 +34,27 @@ MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
+# The canonical Qwen3.5-4B text config (qwen35.md §1.1): 8 full-attention layers at (i+1) % 4 == 0.
+QWEN35_4B_TEXT_CONFIG = {
+    "vocab_size": 248320,
+    "hidden_size": 2560,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 4,
+    "tie_word_embeddings": True,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25},
+    "dtype": "bfloat16",
+}
+
 
 @dataclass(frozen=True)
 class Projection:

@@ -36,23 +36,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kiln_train.model import Qwen35Model, attach_lora, load_model, load_tensors_into  # noqa: E402
-from kiln_train.model_config import LORA_TARGET_MODULES, parse_config  # noqa: E402
+from kiln_train.model_config import LORA_TARGET_MODULES, QWEN35_4B_TEXT_CONFIG, parse_config  # noqa: E402
 from kiln_train.tiny import random_tensors, text_config, wrapper_config, write_tiny_checkpoint  # noqa: E402
 
 # Qwen3.5-4B text shape (qwen35.md §1.1); weights are random, drawn on the device.
-QWEN35_4B = {
-    "vocab_size": 248320,
-    "hidden_size": 2560,
-    "intermediate_size": 9216,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 4,
-    "head_dim": 256,
-    "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-}
+QWEN35_4B = {k: v for k, v in QWEN35_4B_TEXT_CONFIG.items() if k != "dtype"}
 RANDOM_PRESETS = {"qwen35-4b-random": ("small", QWEN35_4B)}
 RESULT_TAG = "RESULT "
 

@@ -9,7 +9,7 @@ import pytest
 
 from kiln_train.backend import backend_for_device
 from kiln_train.errors import KilnError
-from kiln_train.model_config import parse_config
+from kiln_train.model_config import QWEN35_4B_TEXT_CONFIG, parse_config
 from kiln_train.optimizer_support import (
     DISTILL_REFRESH_REASON,
     check_optimizer_tuple,
@@ -18,24 +18,7 @@ from kiln_train.optimizer_support import (
     optimizer_support_report,
 )
 
-QWEN35_4B = {
-    "architectures": ["Qwen3_5ForConditionalGeneration"],
-    "text_config": {
-        "hidden_size": 2560,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 4,
-        "head_dim": 256,
-        "linear_num_key_heads": 16,
-        "linear_num_value_heads": 32,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_conv_kernel_dim": 4,
-        "intermediate_size": 9216,
-        "vocab_size": 248320,
-        "full_attention_interval": 4,
-    },
-}
+QWEN35_4B = {"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": QWEN35_4B_TEXT_CONFIG}
 SEED_DISTILL_REASON = (
     "distill_refresh is unavailable until admission pins separate exact SFT and OPD phase plans, prepares "
     "the exact SFT rows, and reserves the maximum sequential working set"
