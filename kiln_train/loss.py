@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from kiln_train.backend import FULL_LOGITS, KT_TAPE_FLCE
 from kiln_train.errors import TrainingFailure, invalid_request
-from kiln_train.memory import vocab_chunk_size
+from kiln_train.memory_formulas import vocab_chunk_size
 
 IGNORE_INDEX = -100
 LOSS_ROUTES = (KT_TAPE_FLCE, FULL_LOGITS)

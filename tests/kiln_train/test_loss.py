@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from kiln_train.backend import FULL_LOGITS, KT_TAPE_FLCE
 from kiln_train.errors import KilnError, TrainingFailure
 from kiln_train.loss import ChunkedLinearCrossEntropy, count_supervised_targets, sft_loss
-from kiln_train.memory import vocab_chunk_size
+from kiln_train.memory_formulas import vocab_chunk_size
 
 ROUTES = (KT_TAPE_FLCE, FULL_LOGITS)
 

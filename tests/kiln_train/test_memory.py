@@ -13,18 +13,20 @@ from kiln_train.errors import KilnError
 from kiln_train.memory import (
     GIB,
     U64_MAX,
-    attention_layer_bytes,
     available_budget,
     cpu_available_bytes,
     dominant_component,
     estimate,
-    gdn_layer_bytes,
     max_rank_that_fits,
     plan_segments,
     saturate,
+    will_not_fit_message,
+)
+from kiln_train.memory_formulas import (
+    attention_layer_bytes,
+    gdn_layer_bytes,
     segment_layer_ranges,
     vocab_chunk_size,
-    will_not_fit_message,
 )
 from kiln_train.model_config import parse_config
 
@@ -466,6 +468,9 @@ def test_cpu_available_bytes_reads_meminfo_and_cgroup(tmp_path):
     assert cpu_available_bytes() > 0  # this machine
 
 
-def test_memory_module_does_not_import_torch():
-    code = "import sys, kiln_train.memory; assert 'torch' not in sys.modules, 'torch imported'"
+def test_memory_modules_do_not_import_torch():
+    code = (
+        "import sys, kiln_train.memory, kiln_train.memory_formulas; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

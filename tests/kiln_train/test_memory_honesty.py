@@ -30,7 +30,6 @@ def small_dir(tmp_path_factory):
     return str(write_tiny_checkpoint(out, "small", overrides=overrides, with_tokenizer=False))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("seq_len", "rank", "optimizer", "segments", "route"),
     [
