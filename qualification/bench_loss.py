@@ -161,7 +161,7 @@ def run_child(model_dir: str, route: str, seq_len: int, steps: int) -> dict:
 
 def dense_logits_bytes(model_dir: str, seq_len: int) -> int:
     from kiln_train.backend import backend_for_device
-    from kiln_train.memory import loss_workspace_bytes
+    from kiln_train.memory_formulas import loss_workspace_bytes
     from kiln_train.model_config import load_config
 
     config = load_config(model_dir)
