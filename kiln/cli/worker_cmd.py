@@ -51,7 +51,9 @@ def register_worker(cli: click.Group) -> None:
 def run_worker(settings) -> None:
     from celery import signals
 
+    from kiln_train.memory import apply_cpu_allocator_policy
     from kiln_train.resident import load_resident
+    from kiln_train.trainer_support import warm_up
     from worker.celery_app import celery_app, celery_config
     from worker.runtime import WorkerRuntime
     from worker.tasks import install_runtime
@@ -65,11 +67,14 @@ def run_worker(settings) -> None:
         sys.exit(2)
     click.echo(f"loading {settings.model_path} on {settings.model.device} ...")
     t0 = time.perf_counter()
+    if settings.model.device == "cpu":
+        apply_cpu_allocator_policy()  # freed tensors go back to the OS: what the cpu estimate assumes
     resident = load_resident(
         settings.model_path,
         device=settings.model.device,
         server_config={"memory": settings.memory.model_dump(mode="json")},
     )
+    warm_up(resident)
     click.echo(
         f"model resident in {time.perf_counter() - t0:.1f}s; identity {resident.execution_identity_digest}"
     )
