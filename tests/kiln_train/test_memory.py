@@ -28,49 +28,17 @@ from kiln_train.memory_formulas import (
     segment_layer_ranges,
     vocab_chunk_size,
 )
-from kiln_train.model_config import parse_config
+from kiln_train.model_config import QWEN35_4B_TEXT_CONFIG, parse_config
+from kiln_train.tiny import PRESETS
 
 # The `small` preset of kiln_train.tiny: 8 narrow layers under the full vocabulary.
-SMALL = parse_config(
-    {
-        "vocab_size": 248320,
-        "hidden_size": 256,
-        "intermediate_size": 768,
-        "num_hidden_layers": 8,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 64,
-        "linear_value_head_dim": 64,
-        "dtype": "bfloat16",
-    }
-)
+SMALL = parse_config({**PRESETS["small"], "dtype": "bfloat16"})
 
 CUDA = backend_for_device("cuda")
 CPU = backend_for_device("cpu")
 
 # Qwen3.5-4B text config (qwen35.md §1.1).
-QWEN35_4B = parse_config(
-    {
-        "vocab_size": 248320,
-        "hidden_size": 2560,
-        "intermediate_size": 9216,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 4,
-        "head_dim": 256,
-        "linear_num_key_heads": 16,
-        "linear_num_value_heads": 32,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_conv_kernel_dim": 4,
-        "full_attention_interval": 4,
-        "tie_word_embeddings": True,
-        "dtype": "bfloat16",
-    }
-)
+QWEN35_4B = parse_config(QWEN35_4B_TEXT_CONFIG)
 
 
 def est(config=QWEN35_4B, **kw):
