@@ -12,7 +12,8 @@
 - the tokenizer (`kiln_train.tokenizer.write_tokenizer`), `chat_template.jinja` (the pinned
   template shipped in kiln_train/templates), `generation_config.json` (eos [248046, 248044]).
 
-Weights are random but shaped like a trained model: linears and embeddings N(0, 0.02²); block and
+Weights are random but shaped like a trained model: linears N(0, 0.02²); the embedding (and an untied
+head) N(0, 1/hidden), rows of norm ~1 as in trained checkpoints, so LoRA can move the logits; block and
 q/k norm offsets N(0, 0.1²) (non-zero, so an offset-norm bug shows); the GDN gated norm 1 + N(0, 0.1²);
 A_log = log U(1, 16); dt_bias 1 + N(0, 0.1²); the depthwise conv U(±1/√K) (torch's Conv1d init).
 One CPU generator seeded with `seed` draws the tensors in sorted-name order, so the same seed gives a
@@ -214,6 +215,10 @@ def _draw(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tens
         return torch.empty(shape, device=dev).uniform_(-bound, bound, **kw)
     if len(shape) == 1:  # every other vector is a (1+w) RMSNorm offset
         return 0.1 * torch.randn(shape, device=dev, **kw)
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        # Rows of norm ~1, like a trained model's: with 0.02 a narrow model's logits could move by
+        # barely a nat, and a tied-head tiny model could hardly learn anything through LoRA.
+        return shape[-1] ** -0.5 * torch.randn(shape, device=dev, **kw)
     return 0.02 * torch.randn(shape, device=dev, **kw)
 
 

@@ -94,8 +94,14 @@ def register(cli: click.Group) -> None:
         show_default=True,
         help="Conversations to train on (JSONL).",
     )
-    @click.option("--preset", type=click.Choice(["tiny", "small"]), default="tiny", show_default=True)
-    @click.option("--epochs", type=int, default=2, show_default=True)
+    @click.option(
+        "--preset",
+        type=click.Choice(["tiny", "small"]),
+        default="small",
+        show_default=True,
+        help="Random Qwen3.5 shape to build (small: hidden 256, 8 layers, full vocabulary).",
+    )
+    @click.option("--epochs", type=int, default=3, show_default=True)
     def demo(root: Path, data: Path, preset: str, epochs: int) -> None:
         """Run api + worker on embedded defaults, train the demo adapter over HTTP, then stop."""
         from kiln.store import upgrade_database
@@ -136,12 +142,12 @@ def register(cli: click.Group) -> None:
                 "--url", f"http://127.0.0.1:{port}",
                 "--data", str(data),
                 "--epochs", str(epochs),
-                "--rank", "8",
-                "--alpha", "16",
+                "--rank", "16",
+                "--alpha", "32",
                 "--optimizer", "adam_w",
-                "--learning-rate", "0.005",
+                "--learning-rate", "0.002",
                 "--seed", "42",
-                "--checkpoint-interval", "20",
+                "--checkpoint-interval", "30",
                 "--output-name", name,
                 "--adapter-smoke-test",
             ]  # fmt: skip

@@ -93,7 +93,10 @@ def test_tensors_are_realistic(tiny_dir):
     for vec in (dt_bias, gated):
         assert (vec - 1.0).abs().max().item() < 0.5 and (vec - 1.0).abs().max().item() > 0.01
     embed = tensors[f"{p}embed_tokens.weight"].float()
-    assert abs(embed.std().item() - 0.02) < 1e-3
+    assert abs(embed.std().item() - cfg.hidden_size**-0.5) < 1e-3  # rows of norm ~1
+    assert abs(embed.norm(dim=1).mean().item() - 1.0) < 0.05
+    linear = tensors[f"{p}layers.0.mlp.up_proj.weight"].float()
+    assert abs(linear.std().item() - 0.02) < 1e-3
 
 
 def test_same_seed_is_byte_identical_and_seeds_differ(tmp_path, qwen_tokenizer, tiny_dir):
