@@ -16,6 +16,7 @@ Implements seed `000_*` "Exact gradient-set boundary" and "Precision and optimiz
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -46,7 +47,7 @@ def _describe(t: Tensor) -> str:
     return f"shape {list(t.shape)}, dtype {str(t.dtype).removeprefix('torch.')}, device {t.device}"
 
 
-class Optimizer:
+class Optimizer(ABC):
     """One optimizer over named trainable leaves.
 
     Subclasses set `kind` and `state_fields` (the per-parameter buffers, e.g. `("m", "v")`) and
@@ -137,8 +138,9 @@ class Optimizer:
                 f"gradient for leaf {name!r} is not finite ({nan} NaN and {inf} infinite value(s))"
             )
 
-    def _update(self, name: str, param: Tensor, grad: Tensor) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abstractmethod
+    def _update(self, name: str, param: Tensor, grad: Tensor) -> None:
+        """Apply one update to `param` in place (under no_grad, after the set was validated)."""
 
     # ----- serialisation (kiln-contract §5.1) -------------------------------------------
     def state_tensors(self) -> dict[str, Tensor]:

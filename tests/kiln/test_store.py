@@ -29,12 +29,10 @@ from kiln.store import (
     insert_admitted_job,
     list_events,
     list_queued,
-    make_engine,
     queue_position,
     queue_positions,
     record_step,
     request_cancel,
-    session_factory,
     states,
 )
 from kiln_train.errors import (
@@ -44,28 +42,11 @@ from kiln_train.errors import (
     KilnError,
 )
 from tests.kiln.test_store_support import (
-    BACKENDS,
     admission_fields,
     admit,
     claim_and_finish,
-    clear_tables,
     job_fields,
-    migrated_database,
 )
-
-
-@pytest.fixture(scope="module", params=BACKENDS)
-def engine(request, tmp_path_factory):
-    with migrated_database(request.param, tmp_path_factory.mktemp("store")) as url:
-        engine = make_engine(url)
-        yield engine
-        engine.dispose()
-
-
-@pytest.fixture
-def factory(engine):
-    clear_tables(engine)
-    return session_factory(engine)
 
 
 def _events(factory, job_id: str) -> list[str]:

@@ -28,7 +28,6 @@ from kiln.store import (
     list_events,
     live_runner,
     loss_history,
-    make_engine,
     mark_published,
     queue_positions,
     record_checkpoint,
@@ -38,28 +37,13 @@ from kiln.store import (
     renew_lease,
     request_cancel,
     requeue_for_resume,
-    session_factory,
     states,
     stop_runner,
     unpublished_jobs,
     utcnow,
 )
 from kiln_train.errors import ADAPTER_ALREADY_EXISTS, ADAPTER_NOT_FOUND, KilnError
-from tests.kiln.test_store_support import BACKENDS, admit, clear_tables, migrated_database, run_steps
-
-
-@pytest.fixture(scope="module", params=BACKENDS)
-def engine(request, tmp_path_factory):
-    with migrated_database(request.param, tmp_path_factory.mktemp("store")) as url:
-        engine = make_engine(url)
-        yield engine
-        engine.dispose()
-
-
-@pytest.fixture
-def factory(engine):
-    clear_tables(engine)
-    return session_factory(engine)
+from tests.kiln.test_store_support import admit, run_steps
 
 
 def _running_job(factory, worker_id: str = "worker-a", lease_seconds: float = 60, **overrides):
