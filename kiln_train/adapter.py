@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from kiln_train.checkpoint.fs import fsync_dir, write_new_file
 from kiln_train.errors import ADAPTER_ALREADY_EXISTS, INVALID_ADAPTER_NAME, KilnError, TrainingFailure
 from kiln_train.model_config import LORA_TARGET_MODULES, Qwen35Config
 from kiln_train.provenance import file_digest, sha256_prefixed
@@ -97,21 +98,6 @@ def lora_delta_norms(tensors: dict, scale: float) -> list[dict]:
     return out
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def json_bytes(obj) -> bytes:
     return (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
 
@@ -145,11 +131,11 @@ def publish_adapter(
     try:
         ordered = {k: tensors[k].detach().cpu().contiguous() for k in sorted(tensors)}
         model_bytes = save_tensors(ordered, metadata={"format": "pt"})
-        _write_file(staging / ADAPTER_MODEL, model_bytes)
+        write_new_file(staging / ADAPTER_MODEL, model_bytes)
         config_bytes = json_bytes(adapter_config(rank, alpha))
-        _write_file(staging / ADAPTER_CONFIG, config_bytes)
+        write_new_file(staging / ADAPTER_CONFIG, config_bytes)
         for rel, data in (extra_files or {}).items():
-            _write_file(staging / rel, data)
+            write_new_file(staging / rel, data)
         output = {
             "path": str(target),
             "adapter_model_sha256": sha256_prefixed(model_bytes),
@@ -157,18 +143,18 @@ def publish_adapter(
         }
         receipt = build_receipt(output)
         receipt_bytes = json_bytes(receipt)
-        _write_file(staging / TRAIN_RECEIPT, receipt_bytes)
+        write_new_file(staging / TRAIN_RECEIPT, receipt_bytes)
         hashes = {
             "safetensors_hash": output["adapter_model_sha256"],
             "config_hash": sha256_prefixed(config_bytes),
             "receipt_hash": sha256_prefixed(receipt_bytes),
         }
-        _write_file(staging / ADAPTER_MANIFEST, json_bytes(build_manifest(receipt, hashes)))
-        _fsync_dir(staging)
+        write_new_file(staging / ADAPTER_MANIFEST, json_bytes(build_manifest(receipt, hashes)))
+        fsync_dir(staging)
         if target.exists():
             raise KilnError(ADAPTER_ALREADY_EXISTS, f"adapter {name!r} already exists")
         os.rename(staging, target)
-        _fsync_dir(registry)
+        fsync_dir(registry)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -33,21 +33,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from kiln_train.model_config import LORA_TARGET_MODULES
+
 MIB = 1 << 20
 ROUTES = ("kt_tape_flce", "full_logits", "hf_peft")
 RANK, ALPHA, LR = 16, 32.0, 1e-4
-TARGETS = [
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "in_proj_qkv",
-    "in_proj_z",
-    "out_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-]
+TARGETS = list(LORA_TARGET_MODULES)
 
 
 def _rss() -> int:
