@@ -18,6 +18,28 @@ ignored (they never reach rendering or row identity). Checked in contract order:
    JSON object; content parts that are not text (images/video: the text model cannot see them;
    Transformers would render vision tokens); internal span markers anywhere in the row.
 
+Where the contract is silent Kiln refuses rather than guesses (each is a documented choice, never
+a difference from TRL on a conversation Kiln admits):
+
+- nesting: a row (or a `function.arguments` string) nested deeper than 127 arrays/objects is
+  refused -- serde_json's recursion limit, so the Rust reference refuses the same rows -- as
+  `invalid_json` (`tokenization_error` for an arguments string). This is checked without
+  recursion, so no row can exhaust Python's stack.
+- duplicate object keys: a JSON text that repeats a key inside one object is ambiguous (a parser
+  silently keeps one value): `invalid_json` for the row (ingestion.py decodes JSONL lines with
+  `decode_json`), `tokenization_error` for a `function.arguments` string.
+- `function.arguments` null or absent renders a call without parameters; `""` is not JSON and
+  is refused like any other invalid arguments string.
+- an empty (or whitespace-only) function name is refused (`<function=>` is not a call).
+- tool results must answer a call: every run of consecutive `tool` messages must directly follow
+  an assistant message with at least one tool call. Otherwise the template would either emit a
+  tool result without its `<|im_start|>user` header (a `tool` message first, or right after the
+  system message) or present a result nobody asked for (after a user turn or an assistant turn
+  without calls) -- TRL renders both silently; Kiln refuses the row.
+- turns after the last assistant message are kept as unsupervised context: the contract's only
+  supervision requirement is at least one supervised token (seed 002: "a training sequence ends
+  after the final serialized message").
+
 The parsed row (what `kiln.sft-parsed-row.v1` hashes) is `{"messages": [...]}` plus `"tools"` when
 present. Each message has `role`, `content` (a string, or the list of content parts as given),
 and only when present `reasoning_content`, `tool_calls`, `name`, `tool_call_id`; each tool call
@@ -41,6 +63,10 @@ EMPTY_MESSAGES = "empty_messages"
 INVALID_ROLE = "invalid_role"
 TOKENIZATION_ERROR = "tokenization_error"
 REJECTION_REASONS = (INVALID_JSON, EMPTY_MESSAGES, INVALID_ROLE, TOKENIZATION_ERROR)
+
+# serde_json's default recursion limit: it starts at 128 and refuses the value whose opening
+# bracket brings it to 0, so 127 nested arrays/objects are the most a Rust reference row can hold.
+MAX_JSON_DEPTH = 127
 
 
 class RowRejection(Exception):
@@ -67,6 +93,62 @@ class Conversation:
     parsed: dict
     messages: list[dict]
     tools: list[dict] | None
+
+
+class DuplicateKeyError(ValueError):
+    """A JSON object repeats a key."""
+
+
+def _unique_pairs(pairs: list[tuple[str, object]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise DuplicateKeyError(f"duplicate object key {key!r}")
+            seen.add(key)
+    return out
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def decode_json(text: str):
+    """Strict JSON: no NaN/Infinity, no repeated key inside an object, at most MAX_JSON_DEPTH levels.
+
+    Raises ValueError (DuplicateKeyError, JSONDecodeError, or a depth error) with a readable message.
+    """
+    try:
+        value = json.loads(text, object_pairs_hook=_unique_pairs, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} arrays/objects") from None
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} arrays/objects")
+    return value
+
+
+def json_depth(value, limit: int = MAX_JSON_DEPTH) -> int:
+    """Nesting depth of arrays/objects in `value` (a scalar is 0), computed without recursion.
+
+    Stops counting once `limit` is exceeded (returns `limit + 1`), so hostile inputs cost little.
+    """
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        if level > deepest:
+            deepest = level
+            if deepest > limit:
+                return limit + 1
+        stack.extend((child, level + 1) for child in children if isinstance(child, dict | list | tuple))
+    return deepest
 
 
 def _opt_str(msg: dict, key: str, where: str) -> str | None:
@@ -175,6 +257,8 @@ def parse_example(obj) -> dict:
     """Deserialise and normalise one example into its parsed-row form; RowSchemaError if impossible."""
     if not isinstance(obj, dict):
         raise RowSchemaError("example", f"expected an object, got {_kind(obj)}")
+    if json_depth(obj) > MAX_JSON_DEPTH:
+        raise RowSchemaError("example", f"nested deeper than {MAX_JSON_DEPTH} arrays/objects")
     messages = obj.get("messages")
     if messages is None:
         messages = []
@@ -227,7 +311,7 @@ def _render_arguments(arguments, where: str) -> dict:
     if isinstance(arguments, dict):
         return arguments
     try:
-        value = json.loads(arguments, parse_constant=_reject_constant)
+        value = decode_json(arguments)
     except ValueError as exc:
         raise RowRejection(TOKENIZATION_ERROR, f"{where} is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
@@ -235,8 +319,21 @@ def _render_arguments(arguments, where: str) -> dict:
     return value
 
 
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
+def _check_tool_results(messages: list[dict]) -> None:
+    """Every run of `tool` messages directly follows an assistant message that made a tool call."""
+    for i, m in enumerate(messages):
+        if m["role"] != "tool" or (i > 0 and messages[i - 1]["role"] == "tool"):
+            continue
+        previous = messages[i - 1] if i > 0 else None
+        if previous is None or previous["role"] != "assistant" or not previous.get("tool_calls"):
+            after = "at the start" if previous is None else f"after a {previous['role']} message"
+            if previous is not None and previous["role"] == "assistant":
+                after = "after an assistant message without tool calls"
+            raise RowRejection(
+                TOKENIZATION_ERROR,
+                f"messages[{i}] is a tool result {after}; tool results must directly follow an "
+                "assistant message with tool_calls",
+            )
 
 
 def find_marker(parsed: dict, canonical: str) -> str | None:
@@ -290,6 +387,8 @@ def prepare_for_template(parsed: dict, canonical: str) -> Conversation:
             calls = []
             for k, call in enumerate(m["tool_calls"]):
                 function = call["function"]
+                if not function["name"].strip():
+                    raise RowRejection(TOKENIZATION_ERROR, f"{at}.tool_calls[{k}].function.name is empty")
                 rendered = {"name": function["name"]}
                 if "arguments" in function:
                     rendered["arguments"] = _render_arguments(
@@ -301,4 +400,5 @@ def prepare_for_template(parsed: dict, canonical: str) -> Conversation:
             if key in m:
                 out[key] = m[key]
         messages.append(out)
+    _check_tool_results(messages)
     return Conversation(parsed, messages, parsed.get("tools"))

@@ -10,7 +10,12 @@ Transports:
   the field), never a skippable row -- `invalid_json` exists for JSONL only (§3.2).
 - server-local JSONL (`ingest_jsonl`, path from `resolve_dataset_path`): split on `\\n`, strip
   ASCII whitespace (space, tab, LF, FF, CR); an empty result is a blank line: ignored, not a row,
-  not counted. Every other line is one row, numbered from 1.
+  not counted. Every other line is one row, numbered from 1. A row must be UTF-8 JSON text as
+  serde_json reads it: a line that is not UTF-8, starts with a byte-order mark (only ASCII
+  whitespace is trimmed, so a BOM left by an editor makes row 1 `invalid_json`, with a detail that
+  says so), repeats a key inside an object, or nests deeper than 127 arrays/objects is
+  `invalid_json` (`conversation.decode_json`). The last line needs no newline; lines of any
+  length are read whole (nothing is ever truncated).
 
 Rejection reasons, in contract order: `invalid_json`, `empty_messages`, `invalid_role`,
 `tokenization_error` (template failure, span-marker collision, undecodable tool arguments,
@@ -23,7 +28,6 @@ recorded and logged; at least one row must remain). The receipt lives in `ingest
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -43,6 +47,7 @@ from kiln_train.conversation import (
     RowRejection,
     RowSchemaError,
     check_roles,
+    decode_json,
     parse_example,
     prepare_for_template,
 )
@@ -67,6 +72,7 @@ from kiln_train.row_identity import (
 log = logging.getLogger(__name__)
 
 ASCII_WHITESPACE = b" \t\n\x0c\r"  # Rust's u8::is_ascii_whitespace
+UTF8_BOM = b"\xef\xbb\xbf"
 CHUNK_ROWS = 256  # rows rendered, then tokenized together with encode_batch
 
 __all__ = [
@@ -204,16 +210,30 @@ def _jsonl_rows(path: Path) -> Iterator[_SourceRow]:
             if not line:
                 continue
             index += 1
+            problem = _undecodable(line)
+            if problem is not None:
+                yield _SourceRow(index, raw=line, parse_error=problem)
+                continue
             try:
-                obj = json.loads(line.decode("utf-8"), parse_constant=_reject_constant)
-            except (UnicodeDecodeError, ValueError) as exc:
+                obj = decode_json(line.decode("utf-8"))
+            except ValueError as exc:
                 yield _SourceRow(index, raw=line, parse_error=f"not valid JSON: {exc}")
                 continue
             yield _SourceRow(index, obj=obj, raw=line)
 
 
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not a JSON value")
+def _undecodable(line: bytes) -> str | None:
+    """Why a trimmed line is not UTF-8 JSON text at the byte level, or None."""
+    if line.startswith(UTF8_BOM):
+        return (
+            "not valid JSON: the line starts with a UTF-8 byte-order mark (U+FEFF); "
+            "JSONL rows are plain UTF-8 JSON (save the file as UTF-8 without BOM)"
+        )
+    try:
+        line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"not valid JSON: invalid UTF-8 byte 0x{line[exc.start]:02x} at byte {exc.start} of the line"
+    return None
 
 
 def _parse(obj) -> tuple[dict, str]:

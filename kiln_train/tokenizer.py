@@ -170,9 +170,18 @@ def write_tokenizer(out_dir: str | Path, tok: Tokenizer | None = None) -> list[P
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
-    """Load `tokenizer.json` from a model (or tokenizer) directory."""
+    """Load `tokenizer.json` from a model (or tokenizer) directory.
+
+    A `tokenizer.json` may carry `truncation` and `padding` settings (Hugging Face saves whatever
+    was enabled when it was written). SFT never truncates or pads a row (seed 002 "Sequence length
+    and truncation"), so both are switched off here: a checkpoint's file cannot silently shorten
+    training examples.
+    """
     path = Path(model_dir)
     path = path if path.suffix == ".json" else path / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"no tokenizer.json at {path}")
-    return Tokenizer.from_file(str(path))
+    tok = Tokenizer.from_file(str(path))
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
