@@ -5,13 +5,21 @@ highlighted (ANSI colour on a terminal, `⟦…⟧` otherwise), token and superv
 row hash, or its rejection. The invalid-row policy is then applied as the server would
 (kiln-contract §3.3): under `fail` any rejected row makes the command exit 1; under `skip` it
 exits 1 only when no row remains. `--json` prints one object per row and the ingestion receipt
-(or the error envelope) as the final line.
+(or the error envelope) as the final line; every line is ASCII JSON, so no character inside a row
+(U+2028, U+0085, ...) can split a line for a JSON Lines reader.
+
+Row text is shown as data, never as terminal input: control characters other than newline and
+tab (ESC, CR, backspace, C1 controls, DEL), line/paragraph separators and bidirectional-override
+characters are printed as `\\xNN` / `\\uNNNN` escapes, so a row cannot recolour, clear, overwrite
+or reorder what the terminal shows (and click, which strips ANSI sequences when stdout is not a
+terminal, cannot hide them either).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -25,6 +33,26 @@ from kiln_train.ingestion_receipt import POLICIES
 from kiln_train.tokenizer import load_tokenizer
 
 OPEN_BRACKET, CLOSE_BRACKET = "⟦", "⟧"
+# C0 controls except tab and newline, DEL, C1 controls, zero-width/bidi formatting that reorders or
+# hides text, line/paragraph separators, and the span markers' noncharacters.
+_INVISIBLE = re.compile(
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069\ufdd0\ufdd1]"
+)
+
+_SHORT_ESCAPES = {"\r": "\\r", "\x0b": "\\v", "\x0c": "\\f", "\x08": "\\b", "\x00": "\\0"}
+
+
+def visible(text: str) -> str:
+    """`text` with every character that would act on the terminal written as an escape."""
+
+    def escape(match: re.Match) -> str:
+        char = match.group()
+        if char in _SHORT_ESCAPES:
+            return _SHORT_ESCAPES[char]
+        code = ord(char)
+        return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+    return _INVISIBLE.sub(escape, text)
 
 
 def load_model_text_stack(model: Path | None):
@@ -43,13 +71,13 @@ def highlight(text: str, spans, color: bool) -> str:
     """The rendering with supervised character spans marked."""
     out, pos = [], 0
     for a, b in spans:
-        out.append(text[pos:a])
-        segment = text[a:b]
+        out.append(visible(text[pos:a]))
+        segment = visible(text[a:b])
         out.append(
             click.style(segment, fg="green", bold=True) if color else OPEN_BRACKET + segment + CLOSE_BRACKET
         )
         pos = b
-    out.append(text[pos:])
+    out.append(visible(text[pos:]))
     return "".join(out)
 
 
@@ -77,7 +105,7 @@ def echo_row(outcome: RowOutcome, color: bool) -> None:
         row = outcome.tokenized
         status = f"kept  tokens {row.seq_len}  supervised {row.supervised_tokens}"
     else:
-        status = f"REJECTED {outcome.reason}: {outcome.detail}"
+        status = f"REJECTED {outcome.reason}: {visible(outcome.detail or '')}"
         if color:
             status = click.style(status, fg="red", bold=True)
     click.echo(f"── row {outcome.row_index}  {outcome.row_sha256}  {status}")
@@ -112,19 +140,19 @@ def register(cli: click.Group) -> None:
         color = not as_json and sys.stdout.isatty()
         for outcome in outcomes:
             if as_json:
-                click.echo(json.dumps(row_json(outcome), ensure_ascii=False))
+                click.echo(json.dumps(row_json(outcome)))
             else:
                 echo_row(outcome, color)
         try:
             result = apply_invalid_row_policy(outcomes, policy, "dataset_path", str(file))
         except KilnError as exc:
             if as_json:
-                click.echo(json.dumps(exc.envelope(), ensure_ascii=False))
+                click.echo(json.dumps(exc.envelope()))
             else:
-                click.echo(f"── {exc.message}")
+                click.echo(f"── {visible(exc.message)}")
             sys.exit(1)
         if as_json:
-            click.echo(json.dumps(result.receipt, ensure_ascii=False))
+            click.echo(json.dumps(result.receipt))
             return
         receipt = result.receipt
         click.echo(
