@@ -15,6 +15,7 @@ database transaction is held across ingestion or memory planning.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,8 @@ from kiln.store import (
     new_job_id,
     states,
 )
+from kiln_train.checkpoint.manifest import CHECKPOINT_SUFFIX, checkpoint_dir_name
+from kiln_train.checkpoint.publish import staging_dir_name
 from kiln_train.errors import (
     ADAPTER_ALREADY_EXISTS,
     TRAINING_NO_RUNNER,
@@ -59,6 +62,11 @@ log = logging.getLogger(__name__)
 ADMISSION_LOCK_KEY = 0x6B696C6E  # "kiln"
 IDEMPOTENCY_KEY_MAX = 255
 CHECKPOINT_BOUNDARY = "contiguous"
+# What the trainer accepts as an adapter directory name (kiln_train.adapter.check_adapter_name),
+# matched in full: `$` would also accept a trailing newline.
+ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+CHECKPOINT_NAME_MARK = "-checkpoint-step-"
+NAME_MAX_BYTES = 255  # one path segment (Linux NAME_MAX)
 
 
 @dataclass(frozen=True)
@@ -99,9 +107,52 @@ def check_idempotency_key(key: str | None) -> str | None:
     return key
 
 
+def adapter_name_problem(name: str) -> str | None:
+    """Why `name` cannot name an adapter directory the trainer will write, or None."""
+    if not ADAPTER_NAME_RE.fullmatch(name):
+        return (
+            "must be one path segment of [A-Za-z0-9._-] starting with a letter or digit (at most 255 bytes)"
+        )
+    if name.endswith(CHECKPOINT_SUFFIX) or CHECKPOINT_NAME_MARK in name:
+        return f"must not look like an exact checkpoint (contain {CHECKPOINT_NAME_MARK!r} or end {CHECKPOINT_SUFFIX!r})"
+    return None
+
+
+def check_request_names(config: SftConfig) -> None:
+    """Names the worker would refuse only after the queue wait are refused now (step 1)."""
+    for field in ("output_name", "base_adapter"):
+        name = getattr(config, field)
+        if name is None:
+            continue
+        problem = adapter_name_problem(name)
+        if problem is not None:
+            raise invalid_request(f"config.{field} {name!r} {problem}")
+
+
+def check_output_name_fits(name: str, total_steps: int) -> None:
+    """Every name derived from the adapter's must fit one path segment: the longest is the hidden
+    staging directory of its last checkpoint (kiln-contract §5.5)."""
+    longest = staging_dir_name(checkpoint_dir_name(name, max(total_steps, 1)))
+    if len(longest.encode("utf-8")) > NAME_MAX_BYTES:
+        overhead = len(longest) - len(name)
+        raise invalid_request(
+            f"config.output_name is {len(name)} bytes; with {total_steps} step(s) its checkpoint staging "
+            f"directories need {overhead} more bytes and a path segment holds {NAME_MAX_BYTES}: use at "
+            f"most {NAME_MAX_BYTES - overhead} bytes"
+        )
+
+
+def check_base_adapter(config: SftConfig, adapters_dir: Path) -> None:
+    """A warm start needs its base adapter in the registry (the trainer re-checks at dequeue)."""
+    name = config.base_adapter
+    if name is not None and not (adapters_dir / name).is_dir():
+        raise invalid_request(f"config.base_adapter {name!r} is not an adapter in the registry")
+
+
 def admit_sft(svc: Services, body: object, idempotency_key: str | None) -> Admitted:
     """Admit one SFT request or raise the contract error that rejects it (nothing written)."""
     request = parse_sft_request(body)  # (1)
+    check_request_names(request.config)
     key = check_idempotency_key(idempotency_key)
     fingerprint = request_fingerprint(body)
     try:
@@ -135,6 +186,7 @@ def _admit(svc: Services, request: SftRequest, key: str | None, fingerprint: str
             )
         target = runner_target(runner)  # (5)
         check_static_gates(target, request.config)
+        check_base_adapter(request.config, settings.adapters_dir)
         if request.config.output_name is not None:
             _check_adapter_free(session, svc, request.config.output_name)
     plan = _prepare(svc, request, target)  # (6)-(9), no transaction held
@@ -177,8 +229,13 @@ def publish(svc: Services, job_id: str) -> bool:
     except Exception:
         log.exception("job %s is committed but its message was not published; the reconciler will", job_id)
         return False
-    with svc.sessions.begin() as session:
-        mark_published(session, job_id)
+    try:
+        with svc.sessions.begin() as session:
+            mark_published(session, job_id)
+    except Exception:
+        # The job is admitted and its doorbell rang; failing the request now would invite a
+        # duplicate submission. The reconciler rings again (a duplicate doorbell is dropped).
+        log.exception("job %s was published but could not be marked published", job_id)
     return True
 
 
@@ -262,6 +319,7 @@ def _prepare(svc: Services, request: SftRequest, target: RunnerTarget) -> _Plan:
     config = config.model_copy(update=defaults).resolve(seed=resume.seed if resume else None)
     auto_segments = config.grad_checkpoint_segments is None
     ingestion = _ingest(svc, request, config, target)  # (8)
+    check_output_name_fits(config.output_name, config.epochs * len(ingestion.rows))
     segments = _plan_memory(svc, config, target, ingestion)  # (9)
     config = config.model_copy(update={"grad_checkpoint_segments": segments.num_segments})
     if resume is not None:

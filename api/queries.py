@@ -10,7 +10,7 @@ from datetime import datetime
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from kiln.store import Admission, Job, Runner, states, utcnow
+from kiln.store import Admission, Job, Runner, possible_job_id, states, utcnow
 
 
 def _summary_columns() -> list:
@@ -53,6 +53,8 @@ def admission_summaries(session: Session, job_ids: list[str]) -> dict[str, dict]
 
 def job_with_summary(session: Session, job_id: str) -> tuple[Job, dict | None] | None:
     """A tracked job and its admission summary in one round trip (None when absent or deleted)."""
+    if not possible_job_id(job_id):
+        return None
     query = (
         select(Job, *_summary_columns())
         .outerjoin(Admission, Admission.job_id == Job.id)

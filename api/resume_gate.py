@@ -38,6 +38,8 @@ class ResumePoint:
 
 def resolve_checkpoint_path(name: str, adapters_dir: Path) -> Path:
     """A basename directly under the adapter registry, or an absolute path directly beneath it."""
+    if "\0" in name:
+        raise invalid_request("config.resume_checkpoint must not contain NUL bytes")
     root = adapters_dir.resolve()
     candidate = Path(name)
     if candidate.is_absolute():

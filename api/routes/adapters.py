@@ -28,12 +28,12 @@ log = logging.getLogger(__name__)
 
 bp = Blueprint("adapters", __name__)
 
-ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,255}$")
+ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,255}")
 TRASH_PREFIX = ".trash-"
 
 
 def check_adapter_name(name: str) -> str:
-    if not ADAPTER_NAME_RE.match(name) or name in (".", "..") or name.endswith(CHECKPOINT_SUFFIX):
+    if not ADAPTER_NAME_RE.fullmatch(name) or name in (".", "..") or name.endswith(CHECKPOINT_SUFFIX):
         raise KilnError(INVALID_ADAPTER_NAME, f"{name!r} is not an adapter name")
     return name
 

@@ -30,6 +30,8 @@ from kiln_train.errors import TRAINING_JOB_NOT_FOUND, KilnError
 bp = Blueprint("jobs", __name__)
 
 DEFAULT_EVENT_PAGE = 100
+# Event ids are a 32-bit autoincrement on Postgres; a larger cursor is garbage, not a page.
+MAX_EVENT_ID = 2**31 - 1
 
 
 @bp.get("/v1/train/status")
@@ -78,7 +80,7 @@ def job_detail_view(job_id: str) -> Response:
 @bp.get("/v1/train/jobs/<job_id>/events")
 def job_events(job_id: str) -> Response:
     """A page of the job's events after the cursor `after` (an event id), oldest first."""
-    after = query_int("after", None, minimum=0)
+    after = query_int("after", None, minimum=0, maximum=MAX_EVENT_ID)
     limit = query_int("limit", DEFAULT_EVENT_PAGE, minimum=1, maximum=MAX_EVENT_PAGE)
     with services().sessions() as session:
         require_job(session, job_id)

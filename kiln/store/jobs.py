@@ -29,6 +29,7 @@ from kiln_train.errors import (
 
 CANCELLED = "cancelled"
 CANCELLING = "cancelling"
+JOB_ID_MAX = Job.__table__.c.id.type.length
 
 
 def _at(now: datetime) -> Any:
@@ -36,8 +37,16 @@ def _at(now: datetime) -> Any:
     return literal(now, UtcDateTime())
 
 
+def possible_job_id(job_id: str) -> bool:
+    """Whether `job_id` could name a row at all (1..=64 characters, no NUL: Postgres refuses NUL in
+    a query parameter outright). Anything else is simply not found, without asking the database."""
+    return 0 < len(job_id) <= JOB_ID_MAX and "\0" not in job_id
+
+
 def get_job(session: Session, job_id: str, *, include_deleted: bool = False) -> Job | None:
     """The job as the database holds it now (None when absent or soft-deleted)."""
+    if not possible_job_id(job_id):
+        return None
     job = session.get(Job, job_id, populate_existing=True)
     if job is None or (job.deleted_at is not None and not include_deleted):
         return None
@@ -262,9 +271,11 @@ def request_cancel(session: Session, job_id: str) -> str:
     Raises KilnError `training_job_not_found`, `training_job_not_cancellable` (terminal) or
     `training_job_already_started` (a worker claimed the job between our read and our write).
     """
-    observed = session.execute(
-        select(Job.state).where(Job.id == job_id, Job.deleted_at.is_(None))
-    ).scalar_one_or_none()
+    observed = None
+    if possible_job_id(job_id):
+        observed = session.execute(
+            select(Job.state).where(Job.id == job_id, Job.deleted_at.is_(None))
+        ).scalar_one_or_none()
     if observed is None:
         raise KilnError(TRAINING_JOB_NOT_FOUND, f"no training job {job_id!r}")
     now = utcnow()
