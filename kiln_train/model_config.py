@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -190,31 +191,157 @@ def _pick(d: dict, *names, default=None):
     return default
 
 
+# Fields every Qwen3.5 text config must carry: transformers' class defaults for them are the 9B
+# shape, so a checkpoint that omits one cannot be loaded by guessing.
+REQUIRED_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+)
+QWEN35_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+# Keys that only Mixture-of-Experts configs carry (Qwen3.5-MoE, Qwen3-Next, Qwen3-MoE, Mixtral...).
+MOE_KEYS = (
+    "num_experts",
+    "num_local_experts",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
+# transformers' Qwen3_5TextConfig defaults for the optional fields.
+DEFAULT_ROPE_THETA = 10_000.0
+DEFAULT_PARTIAL_ROTARY_FACTOR = 0.25
+DEFAULT_FULL_ATTENTION_INTERVAL = 4
+PLAIN_ROPE_TYPES = ("default", "mrope")
+
+
+class _ConfigFieldError(ValueError):
+    pass
+
+
+def _int_field(d: dict, name: str, *, default=None, minimum: int = 1, where: str = "") -> int:
+    """An integer field (an integral float is accepted), at least `minimum`."""
+    value = d.get(name)
+    if value is None:
+        if default is None:
+            raise _ConfigFieldError(f"missing required field {name!r}{where}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise _ConfigFieldError(f"field {name!r}{where} must be an integer, got {value!r}")
+    if int(value) < minimum:
+        raise _ConfigFieldError(f"field {name!r}{where} must be at least {minimum}, got {value!r}")
+    return int(value)
+
+
+def _float_field(d: dict, name: str, default: float, *, where: str = "") -> float:
+    value = d.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _ConfigFieldError(f"field {name!r}{where} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _refuse_foreign(raw: dict, text: dict) -> None:
+    """Mixture-of-Experts and non-Qwen3.5 configs are refused, never loaded as a dense model."""
+    for scope, d in (("config.json", raw), ("text_config", text)):
+        model_type = d.get("model_type")
+        archs = d.get("architectures") or []
+        archs = [str(a) for a in archs] if isinstance(archs, list) else [str(archs)]
+        signs = [f"{k}={d[k]!r}" for k in MOE_KEYS if d.get(k) not in (None, 0, [], False)]
+        if isinstance(model_type, str) and "moe" in model_type.lower():
+            signs.insert(0, f"model_type={model_type!r}")
+        signs += [f"architectures={a!r}" for a in archs if "moe" in a.lower()]
+        if signs:
+            what = ", ".join(signs)
+            raise backend_unsupported(
+                f"{scope} describes a Mixture-of-Experts model ({what}); only dense Qwen3.5 "
+                f"models (model_type {' / '.join(QWEN35_MODEL_TYPES)}) can be trained"
+            )
+        if model_type is not None and model_type not in QWEN35_MODEL_TYPES:
+            raise backend_unsupported(
+                f"{scope} has model_type {model_type!r}; only Qwen3.5 text models "
+                f"(model_type {' / '.join(QWEN35_MODEL_TYPES)}) are supported"
+            )
+
+
+def tie_flag_given(raw: dict) -> bool:
+    """Whether `config.json` states tie_word_embeddings (at the top level or in text_config)."""
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    return raw.get("tie_word_embeddings") is not None or text.get("tie_word_embeddings") is not None
+
+
 def parse_config(raw: dict) -> Qwen35Config:
-    """Parse a Qwen3.5 `config.json` object, with or without the VL wrapper (`text_config`)."""
-    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    """Parse a Qwen3.5 `config.json` object, with or without the VL wrapper (`text_config`).
+
+    Shape fields (REQUIRED_FIELDS) must be present; optional fields take transformers'
+    `Qwen3_5TextConfig` defaults (rope θ 1e4, partial rotary 0.25, a full-attention layer every
+    4th, conv kernel 4, eps 1e-6, untied head). The VL wrapper's own `tie_word_embeddings` wins
+    over the text_config's, as in `Qwen3_5ForConditionalGeneration`. MoE configs, other model
+    types and RoPE scaling are refused with `training_backend_unsupported` naming the field.
+    """
+    if not isinstance(raw, dict):
+        raise backend_unsupported(f"config.json must be a JSON object, got {type(raw).__name__}")
+    if "text_config" in raw and not isinstance(raw["text_config"], dict):
+        raise backend_unsupported("config.json field 'text_config' must be an object")
+    text = raw.get("text_config", raw)
+    where = " (in text_config)" if text is not raw else ""
+    _refuse_foreign(raw, text)
     try:
-        hidden = int(text["hidden_size"])
-        layers = int(text["num_hidden_layers"])
-        heads = int(text["num_attention_heads"])
-        head_dim = int(_pick(text, "head_dim", default=hidden // heads))
+        ints = {name: _int_field(text, name, where=where) for name in REQUIRED_FIELDS}
+        layers = ints["num_hidden_layers"]
         layer_types = text.get("layer_types")
         if layer_types is None:
-            interval = int(text.get("full_attention_interval", 4))
+            interval = _int_field(
+                text, "full_attention_interval", default=DEFAULT_FULL_ATTENTION_INTERVAL, where=where
+            )
             layer_types = [
                 FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers)
             ]
-        layer_types = tuple(layer_types)
-        if len(layer_types) != layers or any(
-            t not in (FULL_ATTENTION, LINEAR_ATTENTION) for t in layer_types
+        if (
+            not isinstance(layer_types, list | tuple)
+            or len(layer_types) != layers
+            or any(t not in (FULL_ATTENTION, LINEAR_ATTENTION) for t in layer_types)
         ):
-            raise ValueError(f"layer_types must list {layers} of {FULL_ATTENTION!r}/{LINEAR_ATTENTION!r}")
-        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-        rope_theta = float(_pick(rope, "rope_theta", default=_pick(text, "rope_theta", default=1e7)))
-        prf = float(
-            _pick(rope, "partial_rotary_factor", default=_pick(text, "partial_rotary_factor", default=0.25))
-        )
-        tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+            raise _ConfigFieldError(
+                f"field 'layer_types'{where} must list {layers} of {FULL_ATTENTION!r}/{LINEAR_ATTENTION!r}, "
+                f"got {layer_types!r}"
+            )
+        rope = _pick(text, "rope_parameters", "rope_scaling", default={})
+        if not isinstance(rope, dict):
+            raise _ConfigFieldError(f"field 'rope_parameters'{where} must be an object, got {rope!r}")
+        rope_type = _pick(rope, "rope_type", "type", default="default")
+        if rope_type not in PLAIN_ROPE_TYPES:
+            raise _ConfigFieldError(
+                f"rope_parameters.rope_type {rope_type!r}{where} (RoPE scaling) is not supported; "
+                "only the plain Qwen3.5 RoPE ('default') is implemented"
+            )
+        top = _float_field(text, "rope_theta", DEFAULT_ROPE_THETA, where=where)
+        rope_theta = _float_field(rope, "rope_theta", top, where=" (in rope_parameters)")
+        top = _float_field(text, "partial_rotary_factor", DEFAULT_PARTIAL_ROTARY_FACTOR, where=where)
+        prf = _float_field(rope, "partial_rotary_factor", top, where=" (in rope_parameters)")
+        rotary_dim = int(ints["head_dim"] * prf)
+        if not 0.0 < prf <= 1.0 or rotary_dim % 2:
+            # transformers rotates int(head_dim·factor) channels with rotate-half; an odd count has
+            # no rotate-half split (0 is fine: no channel rotates).
+            raise _ConfigFieldError(
+                f"partial_rotary_factor {prf} of head_dim {ints['head_dim']} gives rotary dim {rotary_dim}; "
+                "it must be even, with the factor in (0, 1]"
+            )
+        eps = _float_field(text, "rms_norm_eps", 1e-6, where=where)
+        if eps <= 0:
+            raise _ConfigFieldError(f"field 'rms_norm_eps'{where} must be positive, got {eps}")
+        tie = _pick(raw, "tie_word_embeddings", default=_pick(text, "tie_word_embeddings", default=False))
+        if not isinstance(tie, bool):
+            raise _ConfigFieldError(f"field 'tie_word_embeddings' must be true or false, got {tie!r}")
         dtype = str(
             _pick(
                 text, "dtype", "torch_dtype", default=_pick(raw, "dtype", "torch_dtype", default="bfloat16")
@@ -223,38 +350,36 @@ def parse_config(raw: dict) -> Qwen35Config:
         eos = _pick(text, "eos_token_id", default=_pick(raw, "eos_token_id"))
         if isinstance(eos, list):
             eos = eos[0] if eos else None
+        if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int)):
+            raise _ConfigFieldError(f"field 'eos_token_id' must be an integer or a list of them, got {eos!r}")
         cfg = Qwen35Config(
-            vocab_size=int(text["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(text["intermediate_size"]),
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=int(text["num_key_value_heads"]),
-            head_dim=head_dim,
-            linear_num_key_heads=int(text["linear_num_key_heads"]),
-            linear_num_value_heads=int(text["linear_num_value_heads"]),
-            linear_key_head_dim=int(text["linear_key_head_dim"]),
-            linear_value_head_dim=int(text["linear_value_head_dim"]),
-            linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
-            layer_types=layer_types,
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            **ints,
+            linear_conv_kernel_dim=_int_field(text, "linear_conv_kernel_dim", default=4, where=where),
+            layer_types=tuple(layer_types),
+            rms_norm_eps=eps,
             rope_theta=rope_theta,
             partial_rotary_factor=prf,
-            tie_word_embeddings=bool(tie),
-            mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
-            max_position_embeddings=int(text.get("max_position_embeddings", 262144)),
+            tie_word_embeddings=tie,
+            mtp_num_hidden_layers=_int_field(
+                text, "mtp_num_hidden_layers", default=0, minimum=0, where=where
+            ),
+            max_position_embeddings=_int_field(text, "max_position_embeddings", default=262144, where=where),
             dtype=dtype,
-            eos_token_id=None if eos is None else int(eos),
+            eos_token_id=eos,
             extra=dict(raw),
         )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise backend_unsupported(f"config.json is not a Qwen3.5 text config: {exc}") from exc
-    if min(cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.vocab_size) <= 0:
-        raise backend_unsupported("config.json has non-positive model dimensions")
+    except _ConfigFieldError as exc:
+        raise backend_unsupported(f"config.json is not a usable Qwen3.5 text config: {exc}") from None
     if cfg.linear_num_value_heads % cfg.linear_num_key_heads != 0:
-        raise backend_unsupported("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        raise backend_unsupported(
+            f"config.json: linear_num_value_heads ({cfg.linear_num_value_heads}) must be a multiple of "
+            f"linear_num_key_heads ({cfg.linear_num_key_heads})"
+        )
     if cfg.num_attention_heads % cfg.num_key_value_heads != 0:
-        raise backend_unsupported("num_attention_heads must be a multiple of num_key_value_heads")
+        raise backend_unsupported(
+            f"config.json: num_attention_heads ({cfg.num_attention_heads}) must be a multiple of "
+            f"num_key_value_heads ({cfg.num_key_value_heads})"
+        )
     return cfg
 
 
@@ -262,7 +387,11 @@ def load_config(model_dir: str | Path) -> Qwen35Config:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise backend_unsupported(f"no config.json in model directory {model_dir}")
-    return parse_config(json.loads(path.read_text(encoding="utf-8")))
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise backend_unsupported(f"{path} is not readable JSON: {exc}") from None
+    return parse_config(raw)
 
 
 def file_sha256(path: str | Path) -> str:

@@ -6,7 +6,8 @@
   partial rotary 0.25, an mRoPE section summing to rotary_dim/2, interleaved), the tie flag,
   `mtp_num_hidden_layers: 1` and `dtype: bfloat16` — the shape of the real Qwen3.5 configs (qwen35.md §1).
 - `model.safetensors`: trunk tensors under `model.language_model.` and the MTP block under `mtp.`
-  (qwen35.md §2.5, §3), stored in bfloat16 like the real checkpoints. Every value is drawn in f32
+  (qwen35.md §2.5, §3), stored in bfloat16 like the real checkpoints (or in the dtype an override of
+  `dtype` names: float32, float16). Every value is drawn in f32
   and rounded to bf16 once, so a loader that upcasts to f32 (the CPU backend, transformers with
   dtype=float32) sees exactly the same numbers on both sides of a parity test.
 - the tokenizer (`kiln_train.tokenizer.write_tokenizer`), `chat_template.jinja` (the pinned
@@ -34,6 +35,8 @@ from kiln_train.model_config import FULL_ATTENTION, LINEAR_ATTENTION, Qwen35Conf
 
 TEMPLATE_FILE = Path(__file__).parent / "templates" / "qwen3_5_chat_template.jinja"
 STORAGE_DTYPE = torch.bfloat16
+# The `dtype` a text_config may name (override) and the tensor dtype stored for it.
+STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 BOS_ID = PAD_ID = 248044
 EOS_IDS = [248046, 248044]
 
@@ -82,8 +85,9 @@ def text_config(preset: str = "tiny", overrides: dict | None = None) -> dict:
     overrides = dict(overrides or {})
     shape.update({k: v for k, v in overrides.items() if k not in ("rope_parameters",)})
     layers = shape["num_hidden_layers"]
+    interval = int(shape.get("full_attention_interval", 4))
     layer_types = shape.pop("layer_types", None) or [
-        FULL_ATTENTION if (i + 1) % 4 == 0 else LINEAR_ATTENTION for i in range(layers)
+        FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers)
     ]
     prf = float(shape.pop("partial_rotary_factor", 0.25))
     rotary_dim = int(shape["head_dim"] * prf)
@@ -262,13 +266,18 @@ def write_tiny_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     text = text_config(preset, overrides)
     config = wrapper_config(text)
+    rope = text["rope_parameters"]
+    rotary_dim = int(text["head_dim"] * rope["partial_rotary_factor"])
+    if rotary_dim % 2 or rotary_dim < 2:
+        raise ValueError(f"head_dim {text['head_dim']} x partial_rotary_factor must give an even rotary dim")
     cfg = parse_config(config)
-    if cfg.rotary_dim % 2 or cfg.rotary_dim < 2:
-        raise ValueError(f"head_dim {cfg.head_dim} x partial_rotary_factor must give an even rotary dim")
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", generation_config())
     weights = out / "model.safetensors"
-    save_file(random_tensors(cfg, seed), str(weights), metadata={"format": "pt"})
+    storage = STORAGE_DTYPES.get(text["dtype"])
+    if storage is None:
+        raise ValueError(f"dtype {text['dtype']!r} is not one of {sorted(STORAGE_DTYPES)}")
+    save_file(random_tensors(cfg, seed, dtype=storage), str(weights), metadata={"format": "pt"})
     weights.chmod(_readable_mode(0o644))  # safetensors creates it owner-only; share it like the rest
     if with_tokenizer:
         write_tokenizer(out, tokenizer)

@@ -16,7 +16,9 @@ so the weights are never held twice.
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -24,7 +26,7 @@ import torch
 from kiln_train.backend import backend_for_device
 from kiln_train.errors import TRAINING_BACKEND_UNSUPPORTED, KilnError
 from kiln_train.model.qwen35 import Qwen35Model
-from kiln_train.model_config import load_config
+from kiln_train.model_config import Qwen35Config, load_config, tie_flag_given
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -33,14 +35,21 @@ VISION_PREFIXES = ("model.visual.", "visual.")
 MTP_PREFIX = "mtp."
 LM_HEAD_KEY = "lm_head.weight"
 FLOAT_DTYPES = {"F32", "BF16", "F16", "F64"}
+# Local names only Mixture-of-Experts checkpoints use (routed experts, router, shared expert).
+MOE_TENSOR_MARKERS = re.compile(r"\.mlp\.(experts|gate|shared_expert|shared_expert_gate)\.")
 
 
 class CheckpointError(KilnError):
-    """A checkpoint directory that is not a loadable Qwen3.5 text model; `tensor` names the culprit."""
+    """A checkpoint directory that is not a loadable Qwen3.5 text model.
 
-    def __init__(self, detail: str, tensor: str | None = None) -> None:
+    `tensor` names the culprit tensor (its checkpoint key) and `file` the file it lives in (or the
+    index / directory that should have held it), when there is one.
+    """
+
+    def __init__(self, detail: str, tensor: str | None = None, file: str | None = None) -> None:
         super().__init__(TRAINING_BACKEND_UNSUPPORTED, detail)
         self.tensor = tensor
+        self.file = file
 
 
 def resolve_dtype(device: torch.device, dtype: torch.dtype | None) -> torch.dtype:
@@ -51,28 +60,57 @@ def resolve_dtype(device: torch.device, dtype: torch.dtype | None) -> torch.dtyp
     return getattr(torch, backend_for_device(name).torch_dtype_name)
 
 
-def checkpoint_files(model_dir: Path) -> dict[str, Path]:
-    """Tensor key -> the safetensors file holding it."""
+def _shard_keys(path: Path) -> list[str]:
+    """Tensor keys in one safetensors file's header; a CheckpointError names an unreadable file."""
     from safetensors import safe_open
 
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())  # noqa: SIM118 (safe_open is not a mapping)
+    except Exception as exc:  # safetensors raises its own error types for malformed files
+        raise CheckpointError(
+            f"{path.name} in {path.parent} is not a readable safetensors file: {exc}", file=path.name
+        ) from None
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor key -> the safetensors file holding it (every file's header is read and checked)."""
     index = model_dir / INDEX_FILE
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{INDEX_FILE} in {model_dir} has no valid weight_map: {exc}") from exc
-        files = {}
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+            raise CheckpointError(
+                f"{INDEX_FILE} in {model_dir} has no valid weight_map: {exc}", file=INDEX_FILE
+            ) from exc
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise CheckpointError(
+                f"{INDEX_FILE} in {model_dir} has no valid weight_map: it must map tensor names to "
+                "shard file names",
+                file=INDEX_FILE,
+            )
+        files: dict[str, Path] = {}
+        held: dict[str, set[str]] = {}
         for key, name in weight_map.items():
             path = model_dir / name
-            if not path.is_file():
-                raise CheckpointError(f"shard {name} listed for tensor {key!r} is missing", key)
+            if name not in held:
+                if not path.is_file():
+                    raise CheckpointError(
+                        f"shard {name} listed in {INDEX_FILE} for tensor {key!r} is missing", key, name
+                    )
+                held[name] = set(_shard_keys(path))
+            if key not in held[name]:
+                raise CheckpointError(
+                    f"{INDEX_FILE} lists tensor {key!r} in shard {name}, which does not contain it", key, name
+                )
             files[key] = path
         return files
     single = model_dir / SINGLE_FILE
     if not single.is_file():
         raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
-    with safe_open(str(single), framework="pt") as f:
-        return {key: single for key in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+    return {key: single for key in _shard_keys(single)}
 
 
 def classify(key: str) -> tuple[str, str]:
@@ -89,12 +127,44 @@ def classify(key: str) -> tuple[str, str]:
     return "unknown", key
 
 
-def _plan(model: Qwen35Model, keys) -> tuple[dict[str, str], list[str]]:
-    """Local buffer name -> checkpoint key for every base tensor, and the MTP keys seen."""
+def _where(files: dict, key: str) -> str:
+    path = files.get(key)
+    return f" in {path.name}" if isinstance(path, Path) else ""
+
+
+def _file_name(files: dict, key: str) -> str | None:
+    path = files.get(key)
+    return path.name if isinstance(path, Path) else None
+
+
+def _trunk_prefix(keys) -> str:
+    """The trunk prefix this checkpoint uses (`model.language_model.` or `model.`)."""
+    for key in keys:
+        kind, _ = classify(key)
+        if kind == "trunk":
+            return next(p for p in TRUNK_PREFIXES if key.startswith(p))
+    return TRUNK_PREFIXES[0]
+
+
+def _unexpected_detail(key: str, local: str) -> str:
+    if MOE_TENSOR_MARKERS.search(local):
+        return (
+            " (a Mixture-of-Experts tensor: only dense Qwen3.5 checkpoints are supported; "
+            "its config.json should not claim a dense model)"
+        )
+    return " (not a tensor of the Qwen3.5 text model this config.json describes)"
+
+
+def _plan(model: Qwen35Model, files: dict) -> tuple[dict[str, str], list[str]]:
+    """Local buffer name -> checkpoint key for every base tensor, and the MTP keys seen.
+
+    `files` maps checkpoint keys to the file holding them (or to anything else for in-memory
+    tensors); errors name the key, the file and the expected shape.
+    """
     expected = dict(model.named_buffers())
     plan: dict[str, str] = {}
     mtp: list[str] = []
-    for key in sorted(keys):
+    for key in sorted(files):
         kind, local = classify(key)
         if kind == "vision":
             continue
@@ -102,25 +172,38 @@ def _plan(model: Qwen35Model, keys) -> tuple[dict[str, str], list[str]]:
             mtp.append(key)
             continue
         if kind == "head" and model.lm_head is None:
-            continue  # tied: the head is the embedding (transformers ties it the same way)
+            continue  # tied: the head is the embedding (load_model unties a distinct head first)
         if kind == "unknown" or local not in expected:
-            raise CheckpointError(f"unexpected tensor {key!r} in the checkpoint", key)
+            raise CheckpointError(
+                f"unexpected tensor {key!r}{_where(files, key)}{_unexpected_detail(key, local)}",
+                key,
+                _file_name(files, key),
+            )
         if local in plan:
-            raise CheckpointError(f"tensor {key!r} duplicates {plan[local]!r}", key)
+            raise CheckpointError(
+                f"tensor {key!r}{_where(files, key)} duplicates {plan[local]!r}", key, _file_name(files, key)
+            )
         plan[local] = key
     missing = [name for name in expected if name not in plan]
     if missing:
-        shown = ", ".join(repr(m) for m in missing[:8])
+        prefix = _trunk_prefix(files)
+        names = [LM_HEAD_KEY if m == "lm_head.weight" else prefix + m for m in missing]
+        shown = ", ".join(
+            f"{n!r} (shape {tuple(expected[m].shape)})" for n, m in zip(names[:8], missing[:8], strict=True)
+        )
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-        raise CheckpointError(f"checkpoint is missing tensor(s) {shown}{more}", missing[0])
+        stored = sorted({p.name for p in files.values() if isinstance(p, Path)})
+        source = f" ({', '.join(stored[:3])}{', ...' if len(stored) > 3 else ''})" if stored else ""
+        raise CheckpointError(f"checkpoint{source} is missing tensor(s) {shown}{more}", names[0])
     return plan, mtp
 
 
-def _check(key: str, shape: tuple, kind: str, expected: tuple) -> None:
+def _check(key: str, shape: tuple, kind: str, expected: tuple, file: str | None = None) -> None:
+    where = f" in {file}" if file else ""
     if shape != expected:
-        raise CheckpointError(f"tensor {key!r} has shape {shape}, expected {expected}", key)
+        raise CheckpointError(f"tensor {key!r}{where} has shape {shape}, expected {expected}", key, file)
     if kind not in FLOAT_DTYPES:
-        raise CheckpointError(f"tensor {key!r} has unsupported dtype {kind}", key)
+        raise CheckpointError(f"tensor {key!r}{where} has unsupported dtype {kind}", key, file)
 
 
 def _set_buffer(model: torch.nn.Module, local: str, value: torch.Tensor) -> None:
@@ -133,12 +216,20 @@ def _device_string(device: torch.device) -> str:
     return "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
 
 
-def load_state_into(model: Qwen35Model, model_dir: str | Path, device: str | torch.device = "cpu") -> None:
-    """Fill every base buffer of `model` from the checkpoint in `model_dir` (see module docstring)."""
+def load_state_into(
+    model: Qwen35Model,
+    model_dir: str | Path,
+    device: str | torch.device = "cpu",
+    files: dict[str, Path] | None = None,
+) -> None:
+    """Fill every base buffer of `model` from the checkpoint in `model_dir` (see module docstring).
+
+    `files` is `checkpoint_files(model_dir)` when the caller already has it.
+    """
     from safetensors import safe_open
 
     device = torch.device(device)
-    files = checkpoint_files(Path(model_dir))
+    files = checkpoint_files(Path(model_dir)) if files is None else files
     plan, mtp = _plan(model, files)
     expected = {name: tuple(buf.shape) for name, buf in model.named_buffers()}
     by_file: dict[Path, list[tuple[str, str]]] = defaultdict(list)
@@ -148,7 +239,7 @@ def load_state_into(model: Qwen35Model, model_dir: str | Path, device: str | tor
         with safe_open(str(path), framework="pt", device=_device_string(device)) as f:
             for local, key in items:
                 view = f.get_slice(key)  # header only: check before reading the data
-                _check(key, tuple(view.get_shape()), view.get_dtype(), expected[local])
+                _check(key, tuple(view.get_shape()), view.get_dtype(), expected[local], path.name)
                 _set_buffer(model, local, f.get_tensor(key).to(dtype=model.dtype))
     model.mtp_tensor_names = mtp
 
@@ -177,12 +268,56 @@ def load_tensors_into(
     model.mtp_tensor_names = mtp
 
 
+HEAD_COMPARE_ROWS = 4096  # rows per slice when comparing a stored head with the embedding
+
+
+def _same_rows(files: dict[str, Path], key_a: str, key_b: str) -> bool:
+    """Whether two stored [V, D] matrices are equal, read a slice of rows at a time."""
+    from safetensors import safe_open
+
+    with (
+        safe_open(str(files[key_a]), framework="pt") as fa,
+        safe_open(str(files[key_b]), framework="pt") as fb,
+    ):
+        a, b = fa.get_slice(key_a), fb.get_slice(key_b)
+        shape = tuple(a.get_shape())
+        if shape != tuple(b.get_shape()) or len(shape) != 2:
+            return False
+        for start in range(0, shape[0], HEAD_COMPARE_ROWS):
+            stop = min(shape[0], start + HEAD_COMPARE_ROWS)
+            if not torch.equal(a[start:stop].float(), b[start:stop].float()):
+                return False
+    return True
+
+
+def resolve_head_tying(config: Qwen35Config, files: dict[str, Path]) -> Qwen35Config:
+    """Whether the head is tied, as transformers decides it for these files.
+
+    - config.json states no tie_word_embeddings: tied exactly when the checkpoint has no
+      `lm_head.weight` (transformers' class default is untied, but a checkpoint without a head
+      was saved tied; one with a head is untied).
+    - it says tied but the checkpoint also stores an `lm_head.weight` that differs from the
+      embedding: transformers does not tie them and uses the stored head; so do we.
+    """
+    has_head = LM_HEAD_KEY in files
+    if not tie_flag_given(config.extra):
+        tied = not has_head
+    elif config.tie_word_embeddings and has_head:
+        embedding = _trunk_prefix(files) + "embed_tokens.weight"
+        tied = embedding not in files or _same_rows(files, embedding, LM_HEAD_KEY)
+    else:
+        tied = config.tie_word_embeddings
+    return config if tied == config.tie_word_embeddings else replace(config, tie_word_embeddings=tied)
+
+
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
     """Read a Qwen3.5 checkpoint directory; dtype None = the backend's (f32 on cpu, bf16 on cuda)."""
     device = torch.device(device)
     config = load_config(model_dir)
+    files = checkpoint_files(Path(model_dir))
+    config = resolve_head_tying(config, files)
     dtype = resolve_dtype(device, dtype)
     with torch.device("meta"):
         model = Qwen35Model(config, dtype=dtype)
-    load_state_into(model, model_dir, device)
+    load_state_into(model, model_dir, device, files)
     return model.eval()

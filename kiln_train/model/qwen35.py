@@ -114,6 +114,15 @@ class Qwen35Model(nn.Module):
             raise ValueError(f"input_ids must be [B, T] with T >= 1, got shape {tuple(input_ids.shape)}")
         if input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+        vocab = self.config.vocab_size
+        # An out-of-range id would be an opaque IndexError on cpu and a device-side assert (a dead
+        # CUDA context) on cuda: e.g. a tokenizer whose ids exceed this checkpoint's vocab_size.
+        if bool(((input_ids < 0) | (input_ids >= vocab)).any()):
+            bad = input_ids[(input_ids < 0) | (input_ids >= vocab)]
+            raise ValueError(
+                f"token id {int(bad.flatten()[0])} is outside the model's vocabulary "
+                f"(vocab_size {vocab}); the tokenizer does not match this checkpoint"
+            )
         h = self.embed_tokens(input_ids)
         positions = torch.arange(input_ids.shape[1], device=h.device)
         rope = rope_tables(positions, self.config.rotary_dim, self.config.rope_theta, h.dtype)
