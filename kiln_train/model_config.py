@@ -273,10 +273,16 @@ def _refuse_foreign(raw: dict, text: dict) -> None:
             )
 
 
-def tie_flag_given(raw: dict) -> bool:
-    """Whether `config.json` states tie_word_embeddings (at the top level or in text_config)."""
+def stated_tie(raw: dict) -> bool | None:
+    """The tie_word_embeddings that `config.json` states unambiguously, else None.
+
+    None when neither the VL wrapper nor its text_config states it, or when they disagree
+    (transformers' VL class then reads the wrapper's flag and its text-only class the
+    text_config's, so the two classes would build different heads from one directory).
+    """
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
-    return raw.get("tie_word_embeddings") is not None or text.get("tie_word_embeddings") is not None
+    flags = {f for f in (raw.get("tie_word_embeddings"), text.get("tie_word_embeddings")) if f is not None}
+    return flags.pop() if len(flags) == 1 else None
 
 
 def parse_config(raw: dict) -> Qwen35Config:

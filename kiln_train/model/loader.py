@@ -26,7 +26,7 @@ import torch
 from kiln_train.backend import backend_for_device
 from kiln_train.errors import TRAINING_BACKEND_UNSUPPORTED, KilnError
 from kiln_train.model.qwen35 import Qwen35Model
-from kiln_train.model_config import Qwen35Config, load_config, tie_flag_given
+from kiln_train.model_config import Qwen35Config, load_config, stated_tie
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -291,22 +291,23 @@ def _same_rows(files: dict[str, Path], key_a: str, key_b: str) -> bool:
 
 
 def resolve_head_tying(config: Qwen35Config, files: dict[str, Path]) -> Qwen35Config:
-    """Whether the head is tied, as transformers decides it for these files.
+    """Whether the head is tied, decided from config.json and the stored tensors.
 
-    - config.json states no tie_word_embeddings: tied exactly when the checkpoint has no
-      `lm_head.weight` (transformers' class default is untied, but a checkpoint without a head
-      was saved tied; one with a head is untied).
+    - config.json states no tie_word_embeddings, or its VL wrapper and text_config disagree:
+      tied exactly when the checkpoint has no `lm_head.weight` (a checkpoint saved tied stores no
+      head; transformers' class default, untied, would leave the head random).
     - it says tied but the checkpoint also stores an `lm_head.weight` that differs from the
       embedding: transformers does not tie them and uses the stored head; so do we.
     """
     has_head = LM_HEAD_KEY in files
-    if not tie_flag_given(config.extra):
+    stated = stated_tie(config.extra)
+    if stated is None:
         tied = not has_head
-    elif config.tie_word_embeddings and has_head:
+    elif stated and has_head:
         embedding = _trunk_prefix(files) + "embed_tokens.weight"
         tied = embedding not in files or _same_rows(files, embedding, LM_HEAD_KEY)
     else:
-        tied = config.tie_word_embeddings
+        tied = stated
     return config if tied == config.tie_word_embeddings else replace(config, tie_word_embeddings=tied)
 
 

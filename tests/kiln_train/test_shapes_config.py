@@ -123,6 +123,28 @@ def test_a_stored_head_that_differs_from_the_embedding_is_not_tied(tmp_path):
     assert load_model(path).lm_head is None
 
 
+@pytest.mark.parametrize("wrapper_tie,text_tie", [(True, False), (False, True)])
+def test_disagreeing_tie_flags_follow_the_stored_head(tmp_path, wrapper_tie, text_tie):
+    """transformers' own VL save writes the wrapper flag only (text_config keeps its default
+    False); a directory whose two flags disagree is read by whether it stores a head."""
+    source = write_tiny_checkpoint(
+        tmp_path / "src", "tiny", seed=2, overrides=OVERRIDES, with_tokenizer=False
+    )
+    tensors = load_file(str(source / "model.safetensors"))
+
+    def flags(c):
+        c["tie_word_embeddings"] = wrapper_tie
+        c["text_config"]["tie_word_embeddings"] = text_tie
+
+    headless = _edit_config(_copy(source, tmp_path / "headless", tensors), flags)
+    assert load_model(headless).lm_head is None
+    head = torch.randn(96, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    headed = _edit_config(_copy(source, tmp_path / "headed", {**tensors, "lm_head.weight": head}), flags)
+    model = load_model(headed)
+    assert model.config.tie_word_embeddings is False
+    assert torch.equal(model.lm_head_weight, head.float())
+
+
 def test_rope_defaults_when_config_json_has_no_rope_fields(tmp_path):
     path = _hf_text_checkpoint(tmp_path)
     _edit_config(path, lambda c: c.pop("rope_parameters"))
