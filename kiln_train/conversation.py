@@ -36,6 +36,10 @@ a difference from TRL on a conversation Kiln admits):
   tool result without its `<|im_start|>user` header (a `tool` message first, or right after the
   system message) or present a result nobody asked for (after a user turn or an assistant turn
   without calls) -- TRL renders both silently; Kiln refuses the row.
+- output the template cannot show is refused, not dropped: a message with a non-null legacy
+  `function_call` or an assistant `refusal` (OpenAI export fields the Qwen template ignores) would
+  otherwise train an empty answer in place of the call or the refusal text (`unrenderable_field`,
+  `tokenization_error`; `null` values, as OpenAI exports write them, are fine).
 - turns after the last assistant message are kept as unsupervised context: the contract's only
   supervision requirement is at least one supervised token (seed 002: "a training sequence ends
   after the final serialized message").
@@ -274,6 +278,28 @@ def parse_example(obj) -> dict:
                 raise RowSchemaError(f"tools[{i}]", f"expected an object, got {_kind(tool)}")
         parsed["tools"] = tools
     return parsed
+
+
+UNRENDERED_OUTPUT_FIELDS = ("function_call", "refusal")
+
+
+def unrenderable_field(obj) -> str | None:
+    """The first message field carrying output the template would silently drop, or None.
+
+    `obj` is the example as received (parse_example drops unknown keys, so this looks at the source).
+    """
+    messages = obj.get("messages") if isinstance(obj, dict) else None
+    for i, m in enumerate(messages if isinstance(messages, list) else []):
+        if not isinstance(m, dict):
+            continue
+        for key in UNRENDERED_OUTPUT_FIELDS:
+            if m.get(key) is not None:
+                return (
+                    f"messages[{i}].{key} is set, but the Qwen template does not render it "
+                    f"(the turn would be trained as if it were absent); "
+                    + ("use tool_calls" if key == "function_call" else "put the refusal text in content")
+                )
+    return None
 
 
 def check_roles(parsed: dict) -> None:

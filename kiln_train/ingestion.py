@@ -19,7 +19,9 @@ Transports:
 
 Rejection reasons, in contract order: `invalid_json`, `empty_messages`, `invalid_role`,
 `tokenization_error` (template failure, span-marker collision, undecodable tool arguments,
-non-text content, fewer than 2 tokens, or no supervised token at a position >= 1).
+non-text content, a tool result that answers no call, an empty function name, output the template
+would drop (`function_call`, `refusal`), fewer than 2 tokens, or no supervised token at a position
+>= 1; the rules Kiln adds where the contract is silent are listed in `conversation`'s docstring).
 
 Policies: `fail` (the first rejected row rejects the submission: `training_invalid_request`,
 "SFT row <n> (<row_sha256>) rejected as <reason>: <detail>") and `skip` (rejected rows are
@@ -50,6 +52,7 @@ from kiln_train.conversation import (
     decode_json,
     parse_example,
     prepare_for_template,
+    unrenderable_field,
 )
 from kiln_train.errors import invalid_request
 from kiln_train.ingestion_receipt import (
@@ -159,7 +162,7 @@ class _SourceRow:
     obj: object = None
     raw: bytes | None = None
     parse_error: str | None = None
-    parsed: tuple[dict, str] | None = None  # (parsed row, canonical JSON), already checked
+    parsed: tuple[dict, str, str | None] | None = None  # _parse's result, already checked
 
 
 def resolve_dataset_path(dataset_path: str, datasets_root: Path) -> Path:
@@ -237,14 +240,15 @@ def _undecodable(line: bytes) -> str | None:
 
 
 def _parse(obj) -> tuple[dict, str]:
-    """(parsed row, canonical JSON); RowSchemaError when `obj` is not an SFT example."""
+    """(parsed row, canonical JSON, unrenderable field detail or None); RowSchemaError when `obj`
+    is not an SFT example."""
     parsed = parse_example(obj)
     try:
         canonical = canonical_json(parsed)
         canonical.encode("utf-8")  # lone surrogates cannot be hashed (nor sent by a JSON encoder)
     except ValueError as exc:
         raise RowSchemaError("example", f"not representable as JSON: {exc}") from None
-    return parsed, canonical
+    return parsed, canonical, unrenderable_field(obj)
 
 
 def _example_rows(examples: list, t: IngestionTimings) -> list[_SourceRow]:
@@ -278,13 +282,15 @@ def _front(row: _SourceRow, template: ChatTemplate, t: IngestionTimings):
         t.parse_hash += time.perf_counter() - t0
         return RowOutcome(row.row_index, raw_row_sha256(row.raw), reason=INVALID_JSON, detail=row.parse_error)
     try:
-        parsed, canonical = row.parsed if row.parsed is not None else _parse(row.obj)
+        parsed, canonical, unrenderable = row.parsed if row.parsed is not None else _parse(row.obj)
     except RowSchemaError as exc:
         t.parse_hash += time.perf_counter() - t0
         return RowOutcome(row.row_index, raw_row_sha256(row.raw), reason=INVALID_JSON, detail=exc.detail)
     row_sha = domain_digest(PARSED_ROW_DOMAIN, canonical.encode("utf-8"))
     try:
         check_roles(parsed)
+        if unrenderable is not None:
+            raise RowRejection(TOKENIZATION_ERROR, unrenderable)
         conversation = prepare_for_template(parsed, canonical)
     except RowRejection as exc:
         t.parse_hash += time.perf_counter() - t0

@@ -944,6 +944,23 @@ def conversation_edges() -> list[dict]:
             "why": f"serde_json's recursion limit ({conversation_doc})",
         },
         {
+            "name": "legacy_function_call",
+            "example": {
+                "messages": [
+                    _Q,
+                    {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
+                ]
+            },
+            "kiln": {"rejection": "tokenization_error", "detail": "messages[1].function_call is set"},
+            "why": f"TRL renders an empty answer in place of the call ({conversation_doc})",
+        },
+        {
+            "name": "assistant_refusal",
+            "example": {"messages": [_Q, {"role": "assistant", "content": None, "refusal": "I can't help."}]},
+            "kiln": {"rejection": "tokenization_error", "detail": "messages[1].refusal is set"},
+            "why": f"TRL renders an empty answer in place of the refusal ({conversation_doc})",
+        },
+        {
             "name": "arguments_invalid_json",
             "example": {"messages": [_Q, _calling(arguments="{x")]},
             "kiln": {"rejection": "tokenization_error", "detail": "function.arguments is not valid JSON"},

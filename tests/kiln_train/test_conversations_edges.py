@@ -160,6 +160,25 @@ EDGES = [
         "tokenization_error",
         "after an assistant message without tool calls",
     ),
+    (
+        "legacy_function_call",
+        line(
+            {
+                "messages": [
+                    U,
+                    {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
+                ]
+            }
+        ),
+        "tokenization_error",
+        "messages[1].function_call is set, but the Qwen template does not render it",
+    ),
+    (
+        "refusal",
+        line({"messages": [U, {"role": "assistant", "content": None, "refusal": "I can't help with that."}]}),
+        "tokenization_error",
+        "messages[1].refusal is set",
+    ),
     ("only_user", line({"messages": [U]}), "tokenization_error", "no supervised assistant token"),
     (
         "only_system",
@@ -263,6 +282,21 @@ def test_turns_after_the_last_assistant_are_unsupervised_context(qwen_tokenizer)
     assert (
         row.labels[-len(tail) - 2 :][:2] == row.input_ids[-len(tail) - 2 :][:2]
     )  # "<|im_end|>\n" supervised
+
+
+def test_null_openai_export_fields_are_fine(qwen_tokenizer):
+    exported = {"role": "assistant", "content": "A", "refusal": None, "function_call": None, "audio": None}
+    result = ingest_examples([{"messages": [U, exported]}, GOOD], tokenizer=qwen_tokenizer)
+    assert result.rows[0].input_ids == result.rows[1].input_ids
+    assert result.rows[0].row_sha256 == parsed_row_sha256(GOOD)
+
+
+def test_inline_unrenderable_field_is_a_row_rejection_not_a_transport_error(qwen_tokenizer):
+    bad = {"messages": [U, {"role": "assistant", "content": None, "refusal": "no"}]}
+    result = ingest_examples([GOOD, bad], tokenizer=qwen_tokenizer, policy="skip")
+    assert result.receipt["rejected_rows"] == [
+        {"row_index": 2, "row_sha256": parsed_row_sha256(parse_example(bad)), "reason": "tokenization_error"}
+    ]
 
 
 def test_null_arguments_render_a_call_without_parameters(qwen_tokenizer):
