@@ -136,7 +136,11 @@ def register(cli: click.Group) -> None:
             click.echo(f"kiln: {getattr(exc, 'message', exc)}", err=True)
             sys.exit(2)
         logging.getLogger("kiln_train.ingestion").setLevel(logging.ERROR)  # rows are shown below
-        outcomes = list(iter_jsonl_outcomes(file, tokenizer=tokenizer, template=template))
+        try:
+            outcomes = list(iter_jsonl_outcomes(file, tokenizer=tokenizer, template=template))
+        except OSError as exc:
+            click.echo(f"kiln: cannot read {file}: {exc.strerror or exc}", err=True)
+            sys.exit(2)
         color = not as_json and sys.stdout.isatty()
         for outcome in outcomes:
             if as_json:

@@ -123,3 +123,10 @@ def test_skip_policy_with_no_row_left_exits_nonzero(model_dir, tmp_path):
     result = inspect(model_dir, path, "--policy", "skip")
     assert result.exit_code == 1
     assert "no trainable rows: read 2 row(s), rejected 2" in result.output
+
+
+def test_an_unreadable_file_is_a_clear_error_not_a_traceback(model_dir):
+    result = inspect(model_dir, "/proc/self/mem")  # exists, but reading it from offset 0 fails (EIO)
+    assert result.exit_code == 2
+    assert "kiln: cannot read /proc/self/mem: Input/output error" in result.output
+    assert "Traceback" not in result.output
