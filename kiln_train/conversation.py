@@ -32,10 +32,11 @@ a difference from TRL on a conversation Kiln admits):
   is refused like any other invalid arguments string.
 - an empty (or whitespace-only) function name is refused (`<function=>` is not a call).
 - tool results must answer a call: every run of consecutive `tool` messages must directly follow
-  an assistant message with at least one tool call. Otherwise the template would either emit a
-  tool result without its `<|im_start|>user` header (a `tool` message first, or right after the
-  system message) or present a result nobody asked for (after a user turn or an assistant turn
-  without calls) -- TRL renders both silently; Kiln refuses the row.
+  an assistant message with at least one tool call (in `tool_calls`, or written by the producer
+  as Qwen `<tool_call>` XML inside the content, which renders the same). Otherwise the template
+  would either emit a tool result without its `<|im_start|>user` header (a `tool` message first,
+  or right after the system message) or present a result nobody asked for (after a user turn or
+  an assistant turn without calls) -- TRL renders both silently; Kiln refuses the row.
 - output the template cannot show is refused, not dropped: a message with a non-null legacy
   `function_call` or an assistant `refusal` (OpenAI export fields the Qwen template ignores) would
   otherwise train an empty answer in place of the call or the refusal text (`unrenderable_field`,
@@ -345,13 +346,17 @@ def _render_arguments(arguments, where: str) -> dict:
     return value
 
 
+def _makes_a_call(message: dict) -> bool:
+    return bool(message.get("tool_calls")) or "<tool_call>" in message["content"]
+
+
 def _check_tool_results(messages: list[dict]) -> None:
     """Every run of `tool` messages directly follows an assistant message that made a tool call."""
     for i, m in enumerate(messages):
         if m["role"] != "tool" or (i > 0 and messages[i - 1]["role"] == "tool"):
             continue
         previous = messages[i - 1] if i > 0 else None
-        if previous is None or previous["role"] != "assistant" or not previous.get("tool_calls"):
+        if previous is None or previous["role"] != "assistant" or not _makes_a_call(previous):
             after = "at the start" if previous is None else f"after a {previous['role']} message"
             if previous is not None and previous["role"] == "assistant":
                 after = "after an assistant message without tool calls"

@@ -267,6 +267,15 @@ def test_a_tool_run_answering_a_call_is_kept_and_later_queries_may_follow(qwen_t
     assert result.receipt["rows_kept"] == 1
 
 
+def test_a_call_written_as_qwen_xml_in_content_may_be_answered(qwen_tokenizer):
+    xml = "<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>"
+    inline = {"messages": [U, {"role": "assistant", "content": xml}, TOOL, A]}
+    structured = {"messages": [U, asst_calls(call()), TOOL, A]}
+    result = ingest_examples([inline, structured], tokenizer=qwen_tokenizer)
+    assert result.rows[0].input_ids == result.rows[1].input_ids
+    assert result.rows[0].labels == result.rows[1].labels
+
+
 def test_turns_after_the_last_assistant_are_unsupervised_context(qwen_tokenizer):
     """The contract requires a supervised token, not a final assistant turn; the trailing turn is
     rendered and masked."""
