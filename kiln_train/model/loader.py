@@ -3,10 +3,13 @@
 Accepted layouts: `config.json` with or without the VL wrapper (`text_config`); one
 `model.safetensors` or shards listed by `model.safetensors.index.json`; trunk tensors under
 `model.language_model.` (VL wrapper) or `model.` (text-only); `lm_head.weight` for untied heads
-(ignored when tied, as transformers does). Vision tensors (`model.visual.*`) are ignored; MTP
-tensors (`mtp.*`) are recognised, not loaded, and their names recorded in `model.mtp_tensor_names`
-(kiln never trains or runs the MTP head). Missing, unexpected, duplicated, mis-shaped or
-non-float tensors raise `CheckpointError` (code training_backend_unsupported) naming the tensor.
+(see `resolve_head_tying` for configs that omit the tie flag or contradict the stored head).
+Vision tensors (`model.visual.*`) are ignored; MTP tensors (`mtp.*`) are recognised, not loaded,
+and their names recorded in `model.mtp_tensor_names` (kiln never trains or runs the MTP head).
+Missing, unexpected, duplicated, mis-shaped or non-float tensors, index entries whose shard is
+missing or lacks the tensor, and unreadable files raise `CheckpointError` (code
+training_backend_unsupported) naming the checkpoint key (`tensor`), the file (`file`) and, for
+shapes, expected vs got.
 
 Memory: the model is built on the meta device, then each tensor is read from the memory-mapped
 file (`safetensors.safe_open`, straight onto the target device) and cast once to the final dtype,

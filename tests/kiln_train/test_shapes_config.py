@@ -397,3 +397,36 @@ def test_tiny_overrides_for_interval_and_storage_dtype(tmp_path):
     tensors = load_file(str(path / "model.safetensors"))
     assert {t.dtype for t in tensors.values()} == {torch.float32}
     assert load_model(path).config.layer_types == tuple(text["layer_types"])
+
+
+@pytest.mark.parametrize("mtp_layers,with_tensors", [(0, True), (1, False), (2, True)])
+def test_mtp_tensors_are_recognised_whatever_the_config_says(tmp_path, mtp_layers, with_tensors):
+    source = write_tiny_checkpoint(
+        tmp_path / "src",
+        "tiny",
+        seed=3,
+        overrides={**OVERRIDES, "mtp_num_hidden_layers": 2},
+        with_tokenizer=False,
+    )
+    tensors = load_file(str(source / "model.safetensors"))
+    mtp = sorted(k for k in tensors if k.startswith("mtp."))
+    assert "mtp.layers.1.self_attn.q_proj.weight" in mtp
+    if not with_tensors:
+        tensors = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
+    dest = _edit_config(
+        _copy(source, tmp_path / "m", tensors),
+        lambda c: c["text_config"].update(mtp_num_hidden_layers=mtp_layers),
+    )
+    model = load_model(dest)
+    assert model.config.mtp_num_hidden_layers == mtp_layers
+    assert model.mtp_tensor_names == (mtp if with_tensors else [])
+    assert model.config.base_parameter_count() == sum(b.numel() for b in model.buffers())
+
+
+def test_legacy_torch_dtype_key_and_list_eos():
+    text = _text(dtype=None, eos_token_id=[248046, 248044])
+    text["torch_dtype"] = "float16"
+    raw = wrapper_config(text)
+    raw.pop("dtype")
+    cfg = parse_config(raw)
+    assert (cfg.dtype, cfg.dtype_bytes, cfg.eos_token_id) == ("float16", 2, 248046)
