@@ -234,7 +234,12 @@ def _int_field(d: dict, name: str, *, default=None, minimum: int = 1, where: str
         if default is None:
             raise _ConfigFieldError(f"missing required field {name!r}{where}")
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value != int(value)
+    ):
         raise _ConfigFieldError(f"field {name!r}{where} must be an integer, got {value!r}")
     if int(value) < minimum:
         raise _ConfigFieldError(f"field {name!r}{where} must be at least {minimum}, got {value!r}")

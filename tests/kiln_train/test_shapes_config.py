@@ -210,6 +210,12 @@ def test_a_dense_config_with_experts_disabled_is_accepted():
         ({"num_key_value_heads": 0}, "'num_key_value_heads' (in text_config) must be at least 1"),
         ({"hidden_size": 64.5}, "'hidden_size' (in text_config) must be an integer, got 64.5"),
         ({"num_hidden_layers": "4"}, "'num_hidden_layers' (in text_config) must be an integer"),
+        (
+            {"intermediate_size": float("inf")},
+            "'intermediate_size' (in text_config) must be an integer, got inf",
+        ),
+        ({"vocab_size": float("nan")}, "'vocab_size' (in text_config) must be an integer, got nan"),
+        ({"rms_norm_eps": 0}, "'rms_norm_eps' (in text_config) must be positive"),
         ({"num_key_value_heads": 3}, "num_attention_heads (4) must be a multiple of num_key_value_heads (3)"),
         (
             {"linear_num_key_heads": 3},
