@@ -198,6 +198,7 @@ def _admit(svc: Services, request: SftRequest, key: str | None, fingerprint: str
                 return replay
         _check_limits(session, svc)
         _check_adapter_free(session, svc, plan.config.output_name)
+        _check_no_later_checkpoints(svc, plan)
         try:
             job = insert_admitted_job(
                 session,
@@ -291,6 +292,36 @@ def _check_adapter_free(session: Session, svc: Services, name: str | None) -> No
     reason = adapter_conflict(session, svc.settings.adapters_dir, name)
     if reason is not None:
         raise KilnError(ADAPTER_ALREADY_EXISTS, reason)
+
+
+def checkpoint_steps(adapters_dir: Path, name: str) -> dict[int, str]:
+    """The adapter's exact checkpoint directories in the registry, by global step."""
+    pattern = re.compile(rf"{re.escape(name)}-checkpoint-step-([0-9]{{8,}}){re.escape(CHECKPOINT_SUFFIX)}")
+    found: dict[int, str] = {}
+    if adapters_dir.is_dir():
+        for entry in adapters_dir.iterdir():
+            match = pattern.fullmatch(entry.name)
+            if match is not None:
+                found[int(match.group(1))] = entry.name
+    return found
+
+
+def _check_no_later_checkpoints(svc: Services, plan: _Plan) -> None:
+    """A run publishes `<name>-checkpoint-step-N` for steps past its start and never overwrites
+    one: a directory an earlier run left at such a step would fail this job half way through."""
+    start = plan.resume.manifest.progress.global_step if plan.resume else 0
+    name = plan.config.output_name
+    assert name is not None
+    later = sorted(step for step in checkpoint_steps(svc.settings.adapters_dir, name) if step > start)
+    if later:
+        existing = checkpoint_steps(svc.settings.adapters_dir, name)[later[0]]
+        where = f"after the resume point (step {start})" if plan.resume else "from an earlier run"
+        raise KilnError(
+            ADAPTER_ALREADY_EXISTS,
+            f"exact checkpoint {existing!r} of adapter {name!r} exists {where}; this run would have to "
+            "publish that name again. Resume from the newest checkpoint with config.resume_checkpoint "
+            "or choose another output_name",
+        )
 
 
 def lock_admissions(session: Session) -> None:

@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (the resume test's `checkpoint` fixture is imported and used as a parameter)
 """Adversarial submissions and route arguments (DESIGN.md §7, kiln-contract §1.6): each gets the
 contract's code in the envelope with the right status, names what is wrong, and leaves no row, no
 queue message and no file -- on SQLite and Postgres alike (no 500 from what one database refuses)."""
@@ -11,6 +12,7 @@ from sqlalchemy.exc import OperationalError
 
 from kiln.store import Job
 from tests.api.conftest import example, sft_body, snapshot, unique_name
+from tests.api.test_training_resume import ADAPTER, STEP, _body, checkpoint  # noqa: F401  (fixture)
 
 CONFIG = {"epochs": 1, "lora_rank": 4, "lora_alpha": 8.0}
 ROW = example(0)
@@ -214,3 +216,37 @@ def test_publish_mark_failing_still_answers_the_admitted_job(client, sessions, b
     with sessions() as session:
         job = session.get(Job, job_id)
         assert job.state == "queued" and job.published_at is None
+
+
+def test_new_job_named_like_an_earlier_runs_checkpoints_is_409(
+    client, engine, broker, storage, settings, runner
+):
+    """A failed or cancelled run leaves its exact checkpoints; a new job under that name used to be
+    admitted and then failed when it reached a step whose checkpoint name was taken."""
+    (settings.adapters_dir / "left-checkpoint-step-00000002.kiln-checkpoint").mkdir()
+    before = snapshot(engine, broker, storage)
+    response = client.post("/v1/train/sft", json=sft_body(3, output_name="left", checkpoint_interval=2))
+    assert response.status_code == 409, response.get_json()
+    error = response.get_json()["error"]
+    assert error["code"] == "adapter_already_exists"
+    assert "'left-checkpoint-step-00000002.kiln-checkpoint'" in error["message"]
+    assert "from an earlier run" in error["message"]
+    assert snapshot(engine, broker, storage) == before
+    assert client.post("/v1/train/sft", json=sft_body(3, output_name="left-2")).status_code == 200
+
+
+def test_resume_with_a_later_checkpoint_in_the_registry_is_409(
+    client, engine, broker, storage, settings, checkpoint
+):
+    later = settings.adapters_dir / f"{ADAPTER}-checkpoint-step-{STEP + 2:08d}.kiln-checkpoint"
+    later.mkdir()
+    before = snapshot(engine, broker, storage)
+    response = client.post("/v1/train/sft", json=_body(resume_checkpoint=checkpoint["path"].name))
+    assert response.status_code == 409, response.get_json()
+    error = response.get_json()["error"]
+    assert error["code"] == "adapter_already_exists"
+    assert f"after the resume point (step {STEP})" in error["message"]
+    assert snapshot(engine, broker, storage) == before
+    later.rmdir()
+    response = client.post("/v1/train/sft", json=_body(resume_checkpoint=checkpoint["path"].name))
+    assert response.status_code == 200, response.get_json()
