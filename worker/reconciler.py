@@ -3,20 +3,31 @@
 At worker start and periodically:
 - a job committed but never published (the api died between commit and publish, or the broker
   was down) is published again;
-- a running job whose lease expired (its worker died) is resumed from its latest exact
-  checkpoint when one exists and is valid on disk, otherwise failed with `worker_lost`;
-  a job that already used up its deliveries is failed too.
+- a running job whose lease expired (its worker died) is completed when the worker had already
+  published its adapter, resumed from its newest recorded exact checkpoint that validates on disk
+  (newer ones it published but never recorded are withdrawn: the resumed run writes and records
+  them again), otherwise failed with `worker_lost`; a job that
+  already used up its deliveries is failed too. A job whose owner is provably alive is left alone.
 Every transition is a conditional UPDATE, so two reconcilers racing do no harm.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 from kiln import store
 from kiln.store import states
 from kiln_train import checkpoint as ckpt
+from kiln_train.adapter import ADAPTER_MODEL, TRAIN_RECEIPT
+from kiln_train.errors import KilnError
+from kiln_train.provenance import file_digest
 from worker.celery_app import publish_job
 
 log = logging.getLogger(__name__)
@@ -30,7 +41,7 @@ class Reconciler:
 
     def run_once(self) -> dict:
         """One pass; returns counts of what it did (for logs and tests)."""
-        done = {"republished": 0, "resumed": 0, "failed": 0}
+        done = {"republished": 0, "resumed": 0, "failed": 0, "completed": 0}
         done["failed"] += self._expire_leases(done)
         done["republished"] += self._republish()
         return done
@@ -60,40 +71,184 @@ class Reconciler:
     def _expire_leases(self, done: dict) -> int:
         rt = self.runtime
         failed, requeued = 0, []
+        stale = rt.settings.training.runner_stale_seconds
         with rt.factory.begin() as s:
-            expired = [(j.id, j.attempts, j.cancel_requested) for j in store.expired_leases(s)]
-        for job_id, attempts, cancel in expired:
-            resume = (
-                None if cancel or attempts >= rt.settings.training.max_attempts else self._resumable(job_id)
-            )
+            expired = [_lost_job(s, j) for j in store.expired_leases(s, owner_fresh_seconds=stale)]
+        for lost in expired:
+            published = self._published_adapter(lost)
+            resume = None
+            if (
+                published is None
+                and not lost.cancel_requested
+                and lost.attempts < rt.settings.training.max_attempts
+            ):
+                resume = self._resumable(lost)
             try:
                 with rt.factory.begin() as s:
-                    if resume is not None:
-                        store.requeue_for_resume(s, job_id, resume)
-                        requeued.append(job_id)
+                    if published is not None:
+                        store.complete_lost_job(s, lost.job_id, **published)
+                        done["completed"] += 1
+                        log.warning(
+                            "job %s: worker lost after publishing its adapter; completed", lost.job_id
+                        )
+                    elif resume is not None:
+                        store.requeue_for_resume(s, lost.job_id, resume[0])
+                        requeued.append(lost.job_id)
                         done["resumed"] += 1
-                        log.warning("job %s: worker lost; requeued from %s", job_id, resume)
+                        log.warning("job %s: worker lost; requeued from %s", lost.job_id, resume[0])
                     else:
-                        store.fail_worker_lost(s, job_id)
+                        store.fail_worker_lost(s, lost.job_id)
                         failed += 1
-                        log.warning("job %s: worker lost; no resumable checkpoint", job_id)
+                        log.warning("job %s: worker lost; no resumable checkpoint", lost.job_id)
+                if resume is not None:
+                    self._withdraw_unrecorded(lost.job_id, resume[1])
             except store.InvalidTransition:
                 continue  # another reconciler (or the worker itself) moved it first
+            except KilnError as exc:  # the adapter's name was registered meanwhile
+                log.warning("job %s: cannot complete from its published adapter: %s", lost.job_id, exc)
+                with rt.factory.begin() as s:
+                    try:
+                        store.fail_worker_lost(s, lost.job_id)
+                        failed += 1
+                    except store.InvalidTransition:
+                        continue
         self._republish(requeued)  # our own transition: no api publish to race
         return failed
 
-    def _resumable(self, job_id: str) -> str | None:
-        """The job's latest recorded checkpoint, if it still validates on disk."""
+    def _published_adapter(self, lost: LostJob) -> dict | None:
+        """The job's adapter, when its worker published it (atomically, under the final name) and
+        was lost before recording that: the receipt must name this run (adapter, seed, corpus)."""
+        path = self.runtime.settings.adapters_dir / lost.adapter_name
+        model, receipt_file = path / ADAPTER_MODEL, path / TRAIN_RECEIPT
+        if not (model.is_file() and receipt_file.is_file()):
+            return None
+        try:
+            receipt = json.loads(receipt_file.read_text(encoding="utf-8"))
+            ingestion = receipt["data"]["sft_ingestion"]
+            ours = (
+                receipt["status"] == "success"
+                and receipt["adapter_name"] == lost.adapter_name
+                and str(receipt["config"]["seed"]) == lost.effective_seed
+                and _bare(ingestion["kept_corpus_sha256"]) == _bare(lost.kept_corpus_sha256)
+            )
+            if not ours:
+                return None
+            hyper = receipt["hyperparameters"]
+            base = (receipt.get("model") or {}).get("base_weight_shard_manifest") or {}
+            return {
+                "adapter_path": str(path),
+                "receipt": receipt,
+                "size_bytes": sum(p.stat().st_size for p in path.iterdir() if p.is_file()),
+                "safetensors_sha256": file_digest(model),
+                "rank": int(hyper["rank"]),
+                "alpha": float(hyper["alpha"]),
+                "base_model_sha256": base.get("aggregate_sha256"),
+            }
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("adapter %s of job %s is not usable: %s", path, lost.job_id, exc)
+            return None
+
+    def _resumable(self, lost: LostJob) -> tuple[str, list[Path]] | None:
+        """The job's newest recorded checkpoint that still validates on disk, and the newer ones
+        its worker published but did not live to record: the resumed run publishes those names
+        again (and records their steps), so they are withdrawn once the job is requeued."""
         rt = self.runtime
         with rt.factory.begin() as s:
-            rows = [(c.basename, c.manifest_sha256) for c in reversed(store.list_checkpoints(s, job_id))]
-        for basename, digest in rows:
+            recorded = {c.basename: c.manifest_sha256 for c in store.list_checkpoints(s, lost.job_id)}
+        unrecorded: list[Path] = []
+        for basename in _checkpoint_dirs(rt.settings.adapters_dir, lost.adapter_name):
             path = rt.settings.adapters_dir / basename
+            if basename not in recorded:
+                if _written_by(path, lost):
+                    unrecorded.append(path)
+                continue
             try:
                 loaded = ckpt.load_checkpoint(path, verify_hashes=True)
             except Exception as exc:
-                log.warning("checkpoint %s of job %s is not resumable: %s", basename, job_id, exc)
+                log.warning("checkpoint %s of job %s is not resumable: %s", basename, lost.job_id, exc)
                 continue
-            if loaded.manifest_sha256 == digest.removeprefix("sha256:"):
-                return basename
+            if loaded.manifest_sha256 == _bare(recorded[basename]):
+                return basename, unrecorded
         return None
+
+    def _withdraw_unrecorded(self, job_id: str, paths: list[Path]) -> None:
+        with self.runtime.factory.begin() as s:
+            recorded = {c.basename for c in store.list_checkpoints(s, job_id)}
+        for path in paths:
+            if path.name not in recorded:
+                log.warning("job %s: withdrawing %s (published, never recorded)", job_id, path.name)
+                withdraw(path)
+
+
+@dataclass(frozen=True)
+class LostJob:
+    """What the reconciler needs of a job whose lease expired (plain values, no ORM objects)."""
+
+    job_id: str
+    attempts: int
+    cancel_requested: bool
+    adapter_name: str
+    effective_seed: str
+    kept_corpus_sha256: str
+    total_steps: int
+
+
+def _lost_job(s, job) -> LostJob:
+    admission = store.get_admission(s, job.id)
+    return LostJob(
+        job_id=job.id,
+        attempts=job.attempts,
+        cancel_requested=job.cancel_requested,
+        adapter_name=job.adapter_name,
+        effective_seed=job.effective_seed,
+        kept_corpus_sha256=admission.kept_corpus_sha256 if admission is not None else "",
+        total_steps=job.total_steps,
+    )
+
+
+def _bare(digest: str) -> str:
+    return digest.removeprefix("sha256:")
+
+
+def _checkpoint_dirs(adapters_dir: Path, adapter_name: str) -> list[str]:
+    """Basenames of the adapter's `.kiln-checkpoint` directories, highest step first."""
+    pattern = re.compile(
+        rf"{re.escape(adapter_name)}-checkpoint-step-([0-9]{{8,}}){re.escape(ckpt.CHECKPOINT_SUFFIX)}"
+    )
+    found = []
+    if adapters_dir.is_dir():
+        for entry in adapters_dir.iterdir():
+            match = pattern.fullmatch(entry.name)
+            if match is not None:
+                found.append((int(match.group(1)), entry.name))
+    return [name for _, name in sorted(found, reverse=True)]
+
+
+def _written_by(path: Path, lost: LostJob) -> bool:
+    """Whether a checkpoint directory was written by this job's run (same adapter, seed, data and
+    length; adapter names are unique among live jobs)."""
+    try:
+        manifest, _ = ckpt.read_checkpoint_manifest(path)
+    except Exception:
+        return False
+    return (
+        manifest.training_kind == "sft"
+        and manifest.adapter_name == lost.adapter_name
+        and str(manifest.seed) == lost.effective_seed
+        and _bare(manifest.data.content_sha256) == _bare(lost.kept_corpus_sha256)
+        and manifest.progress.total_steps == lost.total_steps
+    )
+
+
+def withdraw(path: Path) -> None:
+    """Take a published directory back: one rename to a hidden name (a reader never sees half of
+    it), then delete."""
+    if not path.exists():
+        return
+    hidden = path.parent / f".withdrawn-{uuid.uuid4().hex}-{path.name}"[:255]
+    try:
+        path.rename(hidden)
+    except OSError:
+        log.exception("could not withdraw %s", path)
+        return
+    shutil.rmtree(hidden, ignore_errors=True)

@@ -14,6 +14,13 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.orm import Session
 
 from kiln import store
 from kiln.settings import Settings
@@ -24,17 +31,37 @@ from kiln_train.provenance import file_digest
 from kiln_train.resident import ResidentModel
 from kiln_train.trainer import train_sft
 from kiln_train.trainer_support import StepReport, TrainResult
-from worker.reconciler import Reconciler
+from worker.reconciler import Reconciler, withdraw
 from worker.runner import device_memory, heartbeat_file, runner_registration
 from worker.verify import PLAN_DRIFT, PLAN_DRIFT_CODE, PinnedJob, PlanDrift, verify_plan
 
 log = logging.getLogger(__name__)
 
 RESERVATION_FAILED_CODE = "training_will_not_fit"
+# Anything that went wrong in the worker itself rather than in the trainer's loop (publication I/O,
+# an unexpected exception): the job fails with this code instead of staying `running`.
+WORKER_ERROR_CODE = "training_worker_error"
+WORKER_ERROR_REASON = "training_error"
+# A brief database outage is ridden out: each store write is retried after these pauses (seconds).
+DB_RETRY_DELAYS = (0.2, 0.5, 1.0, 2.0, 4.0)
+TRANSIENT_DB_ERRORS = (sa_exc.OperationalError, sa_exc.InterfaceError)
+
+T = TypeVar("T")
 
 
 def new_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass
+class CurrentRun:
+    """The job this worker is running and the flags other threads raise for exactly that job (a
+    late heartbeat for the previous job must not cancel the next one)."""
+
+    job_id: str
+    epochs: int
+    cancel: threading.Event = field(default_factory=threading.Event)
+    lease_lost: threading.Event = field(default_factory=threading.Event)
 
 
 class WorkerRuntime:
@@ -49,9 +76,8 @@ class WorkerRuntime:
         self.engine = store.make_engine(settings.database_url, echo=settings.database.echo)
         self.factory = store.session_factory(self.engine)
         self.celery = celery
-        self.current_job: str | None = None
-        self.current_epochs: int | None = None
-        self.cancel_flag = threading.Event()
+        self.run: CurrentRun | None = None
+        self.db_retry_delays: tuple[float, ...] = DB_RETRY_DELAYS
         self.shutdown = threading.Event()
         self._stop_threads = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -105,24 +131,48 @@ class WorkerRuntime:
             except Exception:  # a DB hiccup must not kill the heartbeat thread
                 log.exception("heartbeat failed")
 
+    @property
+    def current_job(self) -> str | None:
+        run = self.run
+        return run.job_id if run is not None else None
+
     def heartbeat(self) -> None:
         free, _ = device_memory(self.resident.backend.device)
-        job = self.current_job
+        run = self.run  # read once: the job may end (and the next begin) while we write
         with self.factory.begin() as s:
             store.heartbeat_runner(
                 s,
                 self.worker_id,
                 free_memory_bytes=free,
-                state=states.RUNNER_BUSY if job else states.RUNNER_READY,
-                current_job_id=job,
+                state=states.RUNNER_BUSY if run else states.RUNNER_READY,
+                current_job_id=run.job_id if run else None,
             )
-            if job is not None:
+            if run is not None:
                 try:
-                    if store.renew_lease(s, job, self.worker_id, self.settings.training.lease_seconds):
-                        self.cancel_flag.set()
+                    if store.renew_lease(s, run.job_id, self.worker_id, self.settings.training.lease_seconds):
+                        run.cancel.set()
                 except store.LeaseLost:
-                    log.warning("lease on job %s lost", job)
+                    log.warning("lease on job %s lost; the run stops at its next step", run.job_id)
+                    run.lease_lost.set()
         self.touch_heartbeat_file()
+
+    def transact(self, write: Callable[[Session, bool], T]) -> T:
+        """Run `write(session, retried)` in one transaction, retrying through a brief database
+        outage (DB_RETRY_DELAYS). `retried` says an earlier attempt failed, perhaps after its
+        commit went through: writes that are not idempotent check for their own effect first."""
+        delays = iter(self.db_retry_delays)
+        retried = False
+        while True:
+            try:
+                with self.factory.begin() as s:
+                    return write(s, retried)
+            except TRANSIENT_DB_ERRORS as exc:
+                delay = next(delays, None)
+                if delay is None:
+                    raise
+                log.warning("job store unavailable (%s); retrying in %.1f s", type(exc).__name__, delay)
+                time.sleep(delay)
+                retried = True
 
     def _reconcile_loop(self) -> None:
         while not self._stop_threads.wait(self.settings.training.reconcile_interval_seconds):
@@ -148,9 +198,7 @@ class WorkerRuntime:
         return self._run_one(job_id)
 
     def _oldest_queued_before(self, job_id: str) -> str | None:
-        with self.factory() as s:
-            queued = store.list_queued(s)
-        ids = [j.id for j in queued if not j.cancel_requested]
+        ids = self.transact(lambda s, _: [j.id for j in store.list_queued(s) if not j.cancel_requested])
         if job_id not in ids:
             return None
         position = ids.index(job_id)
@@ -160,52 +208,42 @@ class WorkerRuntime:
         pinned = self._claim(job_id)
         if pinned is None:
             return "dropped"
-        self.current_job = job_id
-        self.current_epochs = pinned.effective_config.get("epochs", 1)
-        self.cancel_flag.clear()
+        self.run = CurrentRun(job_id, int(pinned.effective_config.get("epochs") or 1))
         try:
             return self._execute(pinned)
         finally:
-            self.current_job = None
+            self.run = None
             try:
-                with self.factory.begin() as s:
-                    store.heartbeat_runner(s, self.worker_id, state=states.RUNNER_READY, current_job_id=None)
+                self.transact(
+                    lambda s, _: store.heartbeat_runner(
+                        s, self.worker_id, state=states.RUNNER_READY, current_job_id=None
+                    )
+                )
             except Exception:
                 log.exception("could not mark runner ready")
 
     def _claim(self, job_id: str) -> PinnedJob | None:
         lease = self.settings.training.lease_seconds
-        with self.factory.begin() as s:
+
+        def claim(s: Session, retried: bool) -> tuple[PinnedJob, int] | None:
             job = store.claim_job(s, job_id, self.worker_id, lease)
             if job is None:
                 current = store.get_job(s, job_id, include_deleted=True)
-                log.info(
-                    "job %s not claimable (state %s); message dropped",
-                    job_id,
-                    current.state if current else None,
-                )
-                return None
+                if not (retried and current is not None and self._claimed_by_lost_commit(s, current)):
+                    log.info(
+                        "job %s not claimable (state %s); message dropped",
+                        job_id,
+                        current.state if current else None,
+                    )
+                    return None
+                job = current
             store.heartbeat_runner(s, self.worker_id, state=states.RUNNER_BUSY, current_job_id=job_id)
-            adm = store.get_admission(s, job_id)
-            recorded = {c.basename: c.manifest_sha256 for c in store.list_checkpoints(s, job_id)}
-            pinned = PinnedJob(
-                job_id=job.id,
-                adapter_name=job.adapter_name,
-                effective_seed=job.effective_seed,
-                resume_checkpoint=job.resume_checkpoint,
-                loss_route=adm.loss_route,
-                execution_identity_digest=adm.execution_identity_digest,
-                effective_config=dict(adm.effective_config),
-                checkpoint_plan=dict(adm.checkpoint_plan),
-                ingestion_receipt_sha256=adm.ingestion_receipt_sha256,
-                kept_corpus_sha256=adm.kept_corpus_sha256,
-                data_source=adm.data_source,
-                examples=adm.examples,
-                dataset_path=adm.dataset_path,
-                memory_estimate_bytes=int(adm.memory_estimate_bytes),
-                recorded_checkpoints=recorded,
-            )
-            attempts = job.attempts
+            return self._pin(s, job), job.attempts
+
+        claimed = self.transact(claim)
+        if claimed is None:
+            return None
+        pinned, attempts = claimed
         if attempts > self.settings.training.max_attempts:
             self._finish_failed(
                 pinned.job_id,
@@ -216,7 +254,67 @@ class WorkerRuntime:
             return None
         return pinned
 
+    def _claimed_by_lost_commit(self, s: Session, job) -> bool:
+        """An earlier claim attempt of ours committed but its answer was lost: the job runs under
+        this worker, which runs nothing else, and its newest event is that claim."""
+        if job.state != states.RUNNING or job.worker_id != self.worker_id or self.run is not None:
+            return False
+        last = store.last_event(s, job.id)
+        return (
+            last is not None
+            and last.kind == states.EVENT_STARTED
+            and (last.data or {}).get("worker_id") == self.worker_id
+        )
+
+    @staticmethod
+    def _pin(s: Session, job) -> PinnedJob:
+        adm = store.get_admission(s, job.id)
+        recorded = {c.basename: c.manifest_sha256 for c in store.list_checkpoints(s, job.id)}
+        return PinnedJob(
+            job_id=job.id,
+            adapter_name=job.adapter_name,
+            effective_seed=job.effective_seed,
+            resume_checkpoint=job.resume_checkpoint,
+            loss_route=adm.loss_route,
+            execution_identity_digest=adm.execution_identity_digest,
+            effective_config=dict(adm.effective_config),
+            checkpoint_plan=dict(adm.checkpoint_plan),
+            ingestion_receipt_sha256=adm.ingestion_receipt_sha256,
+            kept_corpus_sha256=adm.kept_corpus_sha256,
+            data_source=adm.data_source,
+            examples=adm.examples,
+            dataset_path=adm.dataset_path,
+            memory_estimate_bytes=int(adm.memory_estimate_bytes),
+            recorded_checkpoints=recorded,
+        )
+
     def _execute(self, pinned: PinnedJob) -> str:
+        """Verify, reserve, train, record. Whatever goes wrong ends the job `failed` with a code;
+        nothing leaves it `running` behind a worker that moved on."""
+        try:
+            return self._verify_and_train(pinned)
+        except store.LeaseLost as exc:
+            log.warning("job %s: %s; another owner has it now", pinned.job_id, exc)
+            return "lost"
+        except TRANSIENT_DB_ERRORS:
+            # The store stayed unreachable through the retries: the outcome cannot be recorded
+            # now. Our lease runs out and the reconciler settles the job from what is on disk
+            # (the published adapter, the newest checkpoint) or fails it `worker_lost`.
+            log.exception(
+                "job %s: the job store is unreachable; leaving the job to the reconciler", pinned.job_id
+            )
+            raise
+        except Exception as exc:
+            log.exception("job %s: the worker failed", pinned.job_id)
+            self._finish_failed(
+                pinned.job_id,
+                WORKER_ERROR_REASON,
+                f"worker error: {type(exc).__name__}: {exc}",
+                code=WORKER_ERROR_CODE,
+            )
+            return "failed"
+
+    def _verify_and_train(self, pinned: PinnedJob) -> str:
         try:
             work = verify_plan(pinned, self.resident, self.settings)
         except PlanDrift as exc:
@@ -244,7 +342,7 @@ class WorkerRuntime:
             output_root=self.settings.adapters_dir,
             adapter_name=pinned.adapter_name,
             progress=lambda report: self._on_step(pinned.job_id, report),
-            should_stop=lambda: self.cancel_flag.is_set() or self.shutdown.is_set(),
+            should_stop=lambda: self._should_stop(pinned.job_id),
             checkpoint_plan=work.checkpoint_plan,
             resume_checkpoint=work.resume_path,
             on_checkpoint=lambda record: self._on_checkpoint(pinned.job_id, record),
@@ -272,8 +370,29 @@ class WorkerRuntime:
             f"{pinned.memory_estimate_bytes / gib:.2f} GB but only {available / gib:.2f} GB is available now"
         )
 
+    def _should_stop(self, job_id: str) -> bool:
+        run = self.run
+        return self.shutdown.is_set() or (run is not None and run.job_id == job_id and run.cancel.is_set())
+
+    def _run_of(self, job_id: str) -> CurrentRun:
+        run = self.run
+        if run is None or run.job_id != job_id:  # a callback outside _run_one (tests drive it)
+            run = CurrentRun(job_id, 1)
+        return run
+
     def _on_step(self, job_id: str, report: StepReport) -> None:
-        with self.factory.begin() as s:
+        """Record one step (loss curve, progress, lease, runner heartbeat). A lost lease raises
+        LeaseLost: the trainer stops here, before `should_stop` could write a checkpoint under a
+        name the job's new owner will need."""
+        run = self._run_of(job_id)
+        if run.lease_lost.is_set():
+            raise store.LeaseLost(job_id, self.worker_id)
+        lease = self.settings.training.lease_seconds
+        rows = max(1, report.total_steps // max(1, run.epochs))
+
+        def write(s: Session, retried: bool) -> bool:
+            if retried and store.step_recorded(s, job_id, report.global_step):
+                return store.renew_lease(s, job_id, self.worker_id, lease)
             cancel = store.record_step(
                 s,
                 job_id,
@@ -285,23 +404,37 @@ class WorkerRuntime:
                 step_ms=report.step_ms,
                 tokens=report.tokens,
                 supervised_tokens=report.supervised_tokens,
-                lease_seconds=self.settings.training.lease_seconds,
+                lease_seconds=lease,
             )
-            epochs = int(self.current_epochs or 1)
-            rows = max(1, report.total_steps // epochs)
+            store.heartbeat_runner(s, self.worker_id, state=states.RUNNER_BUSY, current_job_id=job_id)
             if report.global_step % rows == 0:
                 store.append_event(
                     s,
                     job_id,
                     states.EVENT_EPOCH_COMPLETE,
-                    f"epoch {report.global_step // rows} of {epochs} complete",
+                    f"epoch {report.global_step // rows} of {run.epochs} complete",
                     data={"epoch": report.global_step // rows, "global_step": report.global_step},
                 )
+            return cancel
+
+        try:
+            cancel = self.transact(write)
+        except store.LeaseLost:
+            run.lease_lost.set()
+            raise
         if cancel:
-            self.cancel_flag.set()
+            run.cancel.set()
 
     def _on_checkpoint(self, job_id: str, record: dict) -> None:
-        with self.factory.begin() as s:
+        """Record a published checkpoint. When the job is no longer ours the checkpoint is
+        withdrawn: its new owner resumes from an earlier one and will publish this name itself."""
+        run = self._run_of(job_id)
+        lease = self.settings.training.lease_seconds
+
+        def write(s: Session, retried: bool) -> None:
+            if retried and store.get_checkpoint(s, job_id, record["basename"]) is not None:
+                return
+            store.renew_lease(s, job_id, self.worker_id, lease)  # LeaseLost when not ours
             store.record_checkpoint(
                 s,
                 job_id,
@@ -316,16 +449,24 @@ class WorkerRuntime:
                 write_ms=record["write_ms"],
             )
 
+        try:
+            if run.lease_lost.is_set():
+                raise store.LeaseLost(job_id, self.worker_id)
+            self.transact(write)
+        except store.LeaseLost:
+            run.lease_lost.set()
+            withdraw(Path(record["path"]))
+            raise
+
     def _event(self, job_id: str, kind: str, message: str, **kw) -> None:
-        with self.factory.begin() as s:
-            store.append_event(s, job_id, kind, message, **kw)
+        self.transact(lambda s, _: store.append_event(s, job_id, kind, message, **kw))
 
     def _finish_failed(
         self, job_id: str, reason: str, message: str, *, code: str | None = None, **extra
     ) -> None:
         try:
-            with self.factory.begin() as s:
-                store.finish_job(
+            self.transact(
+                lambda s, _: store.finish_job(
                     s,
                     job_id,
                     states.FAILED,
@@ -335,11 +476,17 @@ class WorkerRuntime:
                     error_message=message,
                     **extra,
                 )
+            )
         except (store.LeaseLost, store.InvalidTransition) as exc:
             log.warning("job %s could not be failed by this worker: %s", job_id, exc)
 
     def _record_result(self, pinned: PinnedJob, result: TrainResult) -> str:
         job_id = pinned.job_id
+        if self._run_of(job_id).lease_lost.is_set():
+            log.warning("job %s: stopped after losing its lease; its new owner records the outcome", job_id)
+            if result.status == "success":
+                withdraw(result.adapter_path)
+            return "lost"
         latest = result.checkpoints[-1]["basename"] if result.checkpoints else None
         common = {
             "global_step": result.global_step,
@@ -351,32 +498,47 @@ class WorkerRuntime:
         }
         if result.status == "success":
             model_file = result.adapter_path / "adapter_model.safetensors"
+            size = sum(p.stat().st_size for p in result.adapter_path.iterdir())
+            digest = file_digest(model_file)
+
+            def complete(s: Session, retried: bool) -> None:
+                if retried:
+                    job = store.get_job(s, job_id, include_deleted=True)
+                    if job is not None and job.state == states.COMPLETED and job.worker_id == self.worker_id:
+                        return  # the earlier attempt committed
+                store.register_adapter(
+                    s,
+                    name=result.adapter_name,
+                    job_id=job_id,
+                    path=str(result.adapter_path),
+                    size_bytes=size,
+                    safetensors_sha256=digest,
+                    rank=result.receipt["hyperparameters"]["rank"],
+                    alpha=result.receipt["hyperparameters"]["alpha"],
+                    base_model_sha256=self.resident.base_weights_sha256,
+                )
+                store.finish_job(
+                    s,
+                    job_id,
+                    states.COMPLETED,
+                    worker_id=self.worker_id,
+                    adapter_path=str(result.adapter_path),
+                    **common,
+                )
+
             try:
-                with self.factory.begin() as s:
-                    store.register_adapter(
-                        s,
-                        name=result.adapter_name,
-                        job_id=job_id,
-                        path=str(result.adapter_path),
-                        size_bytes=sum(p.stat().st_size for p in result.adapter_path.iterdir()),
-                        safetensors_sha256=file_digest(model_file),
-                        rank=result.receipt["hyperparameters"]["rank"],
-                        alpha=result.receipt["hyperparameters"]["alpha"],
-                        base_model_sha256=self.resident.base_weights_sha256,
-                    )
-                    store.finish_job(
-                        s,
-                        job_id,
-                        states.COMPLETED,
-                        worker_id=self.worker_id,
-                        adapter_path=str(result.adapter_path),
-                        **common,
-                    )
+                self.transact(complete)
             except (store.LeaseLost, store.InvalidTransition) as exc:
-                log.error("job %s finished but its row moved on: %s", job_id, exc)
+                # Not ours to complete any more: an adapter nobody records must not keep the name.
+                log.error("job %s finished but its row moved on (%s); adapter withdrawn", job_id, exc)
+                withdraw(result.adapter_path)
                 return "lost"
             return "completed"
-        if result.failure_reason == "cancelled" and self.shutdown.is_set() and not self.cancel_flag.is_set():
+        if (
+            result.failure_reason == "cancelled"
+            and self.shutdown.is_set()
+            and not self._run_of(job_id).cancel.is_set()
+        ):
             return self._release_for_resume(job_id)
         self._finish_failed(job_id, result.failure_reason, result.failure_message or "", **common)
         return "failed"
@@ -384,13 +546,19 @@ class WorkerRuntime:
     def _release_for_resume(self, job_id: str) -> str:
         """Worker shutdown mid-job: the checkpoint is written; expire our lease so the reconciler
         (here after a restart, or on another worker) resumes the job from it."""
-        with self.factory.begin() as s:
+        self.run = None  # the heartbeat thread stops renewing the lease we are about to expire
+
+        def release(s: Session, _: bool) -> bool:
             try:
                 store.renew_lease(s, job_id, self.worker_id, 0)
             except store.LeaseLost:
-                return "lost"
+                return False
             store.append_event(
                 s, job_id, states.EVENT_REQUEUED, "worker shutting down; released at a checkpoint"
             )
+            return True
+
+        if not self.transact(release):
+            return "lost"
         self.reconciler.run_once()
         return "requeued"

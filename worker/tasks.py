@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+from sqlalchemy import exc as sa_exc
+
 from worker.celery_app import TRAIN_SFT_TASK, celery_app
+
+# The job store stayed unreachable through the runtime's own retries: ring the doorbell again
+# later. Acknowledging the failure instead would lose it, and a published queued row is not
+# something the reconciler republishes.
+STORE_DOWN_ERRORS = (sa_exc.OperationalError, sa_exc.InterfaceError)
+STORE_DOWN_RETRY_SECONDS = 15
 
 _RUNTIME = None
 
@@ -13,8 +21,11 @@ def install_runtime(runtime) -> None:
     _RUNTIME = runtime
 
 
-@celery_app.task(name=TRAIN_SFT_TASK, ignore_result=True, acks_late=True)
-def train_sft_task(job_id: str) -> str:
+@celery_app.task(bind=True, name=TRAIN_SFT_TASK, ignore_result=True, acks_late=True, max_retries=None)
+def train_sft_task(self, job_id: str) -> str:
     if _RUNTIME is None:
         raise RuntimeError("no resident runtime in this process; start workers with `kiln worker`")
-    return _RUNTIME.run_job(job_id)
+    try:
+        return _RUNTIME.run_job(job_id)
+    except STORE_DOWN_ERRORS as exc:
+        raise self.retry(exc=exc, countdown=STORE_DOWN_RETRY_SECONDS) from exc

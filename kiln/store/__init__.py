@@ -35,7 +35,7 @@ from kiln.store.engine import (
     upgrade_database,
 )
 from kiln.store.errors import IdempotencyKeyTaken, InvalidTransition, LeaseLost, StoreError
-from kiln.store.events import append_event, list_events
+from kiln.store.events import append_event, last_event, list_events
 from kiln.store.jobs import (
     CANCELLED,
     CANCELLING,
@@ -51,6 +51,7 @@ from kiln.store.jobs import (
     renew_lease,
     request_cancel,
     require_job,
+    step_recorded,
 )
 from kiln.store.models import (
     Adapter,
@@ -65,7 +66,13 @@ from kiln.store.models import (
     utcnow,
 )
 from kiln.store.queue import count_queued, count_tracked, list_queued, queue_position, queue_positions
-from kiln.store.reconcile import expired_leases, fail_worker_lost, requeue_for_resume, unpublished_jobs
+from kiln.store.reconcile import (
+    complete_lost_job,
+    expired_leases,
+    fail_worker_lost,
+    requeue_for_resume,
+    unpublished_jobs,
+)
 from kiln.store.runners import get_runner, heartbeat_runner, live_runner, register_runner, stop_runner
 
 __all__ = [
@@ -86,6 +93,7 @@ __all__ = [
     "UtcDateTime",
     "append_event",
     "claim_job",
+    "complete_lost_job",
     "count_queued",
     "count_tracked",
     "create_all_for_tests",
@@ -106,6 +114,7 @@ __all__ = [
     "heartbeat_runner",
     "insert_admitted_job",
     "is_cancel_requested",
+    "last_event",
     "latest_checkpoint",
     "list_adapters",
     "list_checkpoints",
@@ -132,6 +141,7 @@ __all__ = [
     "requeue_for_resume",
     "session_factory",
     "states",
+    "step_recorded",
     "stop_runner",
     "unpublished_jobs",
     "upgrade_database",

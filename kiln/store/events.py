@@ -45,3 +45,9 @@ def list_events(
         query = query.where(JobEvent.id > after_id)
     rows = list(session.scalars(query.order_by(JobEvent.id).limit(limit + 1)))
     return rows[:limit], len(rows) > limit
+
+
+def last_event(session: Session, job_id: str) -> JobEvent | None:
+    """The job's newest event."""
+    query = select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id.desc()).limit(1)
+    return session.scalars(query).first()

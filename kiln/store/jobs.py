@@ -171,6 +171,11 @@ def record_step(
     return cancel_requested
 
 
+def step_recorded(session: Session, job_id: str, global_step: int) -> bool:
+    """Whether the loss curve already holds this step (a retried write whose commit went through)."""
+    return session.get(TrainingStep, (job_id, global_step)) is not None
+
+
 def _touch_running(session: Session, job_id: str, worker_id: str, values: dict[str, Any]) -> bool:
     row = session.execute(
         update(Job)

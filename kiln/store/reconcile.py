@@ -9,18 +9,18 @@ that renews its lease at the last moment keeps its job.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from sqlalchemy import delete, false, select, update
 from sqlalchemy.orm import Session
 
 from kiln.store import states
 from kiln.store.admission import next_queue_seq
-from kiln.store.artifacts import get_checkpoint
+from kiln.store.artifacts import get_checkpoint, register_adapter
 from kiln.store.errors import InvalidTransition
 from kiln.store.events import append_event
 from kiln.store.jobs import get_job
-from kiln.store.models import Job, TrainingStep, utcnow
+from kiln.store.models import Job, Runner, TrainingStep, utcnow
 
 
 def unpublished_jobs(session: Session, older_than: datetime) -> list[Job]:
@@ -35,9 +35,32 @@ def unpublished_jobs(session: Session, older_than: datetime) -> list[Job]:
     return list(session.scalars(query.order_by(Job.queue_seq)))
 
 
-def expired_leases(session: Session, now: datetime | None = None) -> list[Job]:
-    """Running jobs whose worker stopped renewing its lease before `now`."""
-    query = select(Job).where(Job.state == states.RUNNING, Job.lease_expires_at < (now or utcnow()))
+def expired_leases(
+    session: Session, now: datetime | None = None, *, owner_fresh_seconds: float | None = None
+) -> list[Job]:
+    """Running jobs whose worker stopped renewing its lease before `now`.
+
+    With `owner_fresh_seconds`, a job is left alone while its owner is provably alive and still
+    running it: the owner's runner row names the job and beat after the lease ran out, within the
+    last `owner_fresh_seconds` (a clock step or a stalled renewal is not a dead worker, and taking
+    the job from a live one would run it twice). A dead worker's last heartbeat predates its last
+    lease expiry, so its jobs are not held back.
+    """
+    now = now or utcnow()
+    query = select(Job).where(Job.state == states.RUNNING, Job.lease_expires_at < now)
+    if owner_fresh_seconds is not None:
+        owner_alive = (
+            select(Runner.id)
+            .where(
+                Runner.id == Job.worker_id,
+                Runner.state != states.RUNNER_STOPPED,
+                Runner.current_job_id == Job.id,
+                Runner.heartbeat_at > Job.lease_expires_at,
+                Runner.heartbeat_at >= now - timedelta(seconds=owner_fresh_seconds),
+            )
+            .exists()
+        )
+        query = query.where(~owner_alive)
     return list(session.scalars(query.order_by(Job.queue_seq)))
 
 
@@ -129,3 +152,64 @@ def fail_worker_lost(session: Session, job_id: str, now: datetime | None = None)
     failed = get_job(session, job_id, include_deleted=True)
     assert failed is not None
     return failed
+
+
+def complete_lost_job(
+    session: Session,
+    job_id: str,
+    *,
+    adapter_path: str,
+    receipt: dict,
+    size_bytes: int,
+    safetensors_sha256: str,
+    rank: int,
+    alpha: float,
+    base_model_sha256: str | None,
+    now: datetime | None = None,
+) -> Job:
+    """Complete a job whose worker was lost after it published the adapter but before it recorded
+    that: the adapter is registered and the job ends `completed` (guarded like the other
+    reconciler transitions: running, lease expired)."""
+    now = now or utcnow()
+    job = get_job(session, job_id, include_deleted=True)
+    if job is None:
+        raise InvalidTransition(job_id, "complete a lost job", None)
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.state == states.RUNNING, Job.lease_expires_at < now)
+        .values(
+            state=states.COMPLETED,
+            finished_at=now,
+            lease_expires_at=None,
+            global_step=Job.total_steps,
+            adapter_path=adapter_path,
+            receipt=receipt,
+            final_loss=Job.current_loss,
+        )
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:
+        current = get_job(session, job_id, include_deleted=True)
+        raise InvalidTransition(job_id, "complete a lost job", current.state if current else None)
+    register_adapter(
+        session,
+        name=job.adapter_name,
+        job_id=job_id,
+        path=adapter_path,
+        size_bytes=size_bytes,
+        safetensors_sha256=safetensors_sha256,
+        rank=rank,
+        alpha=alpha,
+        base_model_sha256=base_model_sha256,
+    )
+    append_event(
+        session,
+        job_id,
+        states.EVENT_COMPLETED,
+        f"worker {job.worker_id} was lost after publishing the adapter; completed by the reconciler",
+        level=states.LEVEL_WARNING,
+        data={"worker_id": job.worker_id, "adapter_path": adapter_path},
+    )
+    completed = get_job(session, job_id, include_deleted=True)
+    assert completed is not None
+    return completed

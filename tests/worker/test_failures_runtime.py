@@ -1,0 +1,310 @@
+"""Failures around the resident runtime (DESIGN §1): broken storage, a job store that blinks, a
+lease that runs out under a live worker or is taken from it, a worker killed while publishing.
+The row must always end in a truthful state, a job never runs twice, and nothing half-published
+or unrecorded keeps a name a later run needs.
+
+Real store (SQLite and Postgres), real broker; faults are injected only where a real one cannot
+be produced in-process (an outage of the database connection, a kill at an exact point).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import update
+from sqlalchemy.exc import OperationalError
+
+from kiln import store
+from kiln.store import states
+from kiln.store.models import Job, Runner
+from tests.api.conftest import sft_body, unique_name
+from tests.worker.test_runtime import event_kinds, job_row, steps, submit
+
+
+class Killed(BaseException):
+    """Stands in for SIGKILL at an exact point: nothing in the worker may catch it."""
+
+
+class FlakyStore:
+    """The runtime's session factory with injected connection failures: the next `fail_before`
+    transactions fail before they commit, the next `fail_after` ones right after they commit
+    (the answer is lost, the write is not)."""
+
+    def __init__(self, factory) -> None:
+        self.factory = factory
+        self.fail_before = 0
+        self.fail_after = 0
+
+    def __call__(self, *args, **kwargs):
+        return self.factory(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def begin(self):
+        if self.fail_before:
+            self.fail_before -= 1
+            raise OperationalError("BEGIN", {}, ConnectionError("server closed the connection unexpectedly"))
+        with self.factory.begin() as session:
+            yield session
+        if self.fail_after:
+            self.fail_after -= 1
+            raise OperationalError("COMMIT", {}, ConnectionError("connection lost after COMMIT"))
+
+
+@pytest.fixture
+def flaky(runtime) -> FlakyStore:
+    runtime.factory = FlakyStore(runtime.factory)
+    runtime.db_retry_delays = (0.01, 0.01, 0.01)
+    return runtime.factory
+
+
+@pytest.fixture
+def second_worker(settings, resident):
+    """Another worker process on the same store and queue."""
+    from worker.celery_app import make_celery
+    from worker.runtime import WorkerRuntime
+
+    rt = WorkerRuntime(settings, resident, celery=make_celery(settings), worker_id="worker-2")
+    rt.start(threads=False)
+    yield rt
+    rt.stop()
+
+
+def checkpoint_names(settings, name: str) -> list[str]:
+    return sorted(p.name for p in settings.adapters_dir.glob(f"{name}-checkpoint-step-*"))
+
+
+def expire_lease(sessions, job_id: str) -> None:
+    with sessions.begin() as s:
+        s.execute(
+            update(Job).where(Job.id == job_id).values(lease_expires_at=store.utcnow() - timedelta(seconds=1))
+        )
+
+
+def test_unusable_output_root_fails_the_job_instead_of_leaving_it_running(
+    client, runtime, sessions, settings
+):
+    """The trainer could not publish the adapter nor even its failed receipt; the exception left
+    the worker and the row stayed `running` until the lease ran out."""
+    name = unique_name("noroot")
+    job_id = submit(client, sft_body(2, output_name=name))
+    adapters = settings.adapters_dir
+    adapters.rename(adapters.with_name("adapters-moved"))
+    adapters.write_text("not a directory\n")  # every write under the output root now fails
+    try:
+        assert runtime.run_job(job_id) == "failed"
+    finally:
+        adapters.unlink()
+        adapters.with_name("adapters-moved").rename(adapters)
+    job = job_row(sessions, job_id)
+    assert job.state == states.FAILED and job.failure_reason == "training_error"
+    assert job.error_code == "training_worker_error" and "worker error:" in job.error_message
+    assert job.lease_expires_at is None and job.adapter_path is None
+    with sessions() as s:
+        assert store.get_adapter(s, name) is None
+    assert not (adapters / name).exists()
+    assert runtime.run_job(job_id) == "dropped"  # a redelivered doorbell changes nothing
+
+
+def test_a_brief_store_outage_while_recording_progress_is_ridden_out(client, runtime, sessions, flaky):
+    """One failed progress write used to fail the whole job; a write whose commit went through
+    but whose answer was lost must not be written twice either."""
+    job_id = submit(client, sft_body(2, epochs=2, output_name=unique_name("blip")))
+    original = runtime._on_step
+
+    def on_step(jid, report):
+        if report.global_step == 2:
+            flaky.fail_before = 2  # the connection drops twice, then comes back
+        if report.global_step == 3:
+            flaky.fail_after = 1  # step 3 commits, the acknowledgement is lost
+        original(jid, report)
+
+    runtime._on_step = on_step
+    assert runtime.run_job(job_id) == "completed"
+    job = job_row(sessions, job_id)
+    assert job.state == states.COMPLETED and job.global_step == 4
+    assert steps(sessions, job_id) == [1, 2, 3, 4]
+    assert event_kinds(sessions, job_id).count("epoch_complete") == 2
+
+
+def test_store_down_at_dequeue_rings_the_doorbell_again(client, runtime, sessions, broker, flaky):
+    """The task used to fail and be acknowledged: the published `queued` row then waited forever
+    (the reconciler only republishes rows that were never published)."""
+    from worker.tasks import install_runtime, train_sft_task
+
+    job_id = submit(client, sft_body(1, output_name=unique_name("down")))
+    flaky.fail_before = 8  # two whole deliveries find the store unreachable
+    install_runtime(runtime)
+    try:
+        result = train_sft_task.apply(args=[job_id])
+    finally:
+        install_runtime(None)
+    assert result.state == "SUCCESS" and result.get() == "completed"
+    job = job_row(sessions, job_id)
+    assert job.state == states.COMPLETED and job.attempts == 1
+
+
+def test_an_expired_lease_under_a_live_worker_is_not_taken_over(
+    client, runtime, second_worker, sessions, settings
+):
+    """Another worker's reconciler requeued (or failed) a job whose owner was still training it:
+    two runners on one job."""
+    name = unique_name("alive")
+    job_id = submit(client, sft_body(4, epochs=1, checkpoint_interval=2, output_name=name))
+    seen: dict = {}
+    original = runtime._on_step
+
+    def on_step(jid, report):
+        original(jid, report)
+        if report.global_step == 3:
+            expire_lease(sessions, jid)  # a stalled renewal, a clock step: the lease ran out
+            seen["reconciled"] = second_worker.reconciler.run_once()
+            seen["doorbell"] = second_worker.run_job(jid)
+            seen["state"] = job_row(sessions, jid).state
+
+    runtime._on_step = on_step
+    assert runtime.run_job(job_id) == "completed"
+    assert seen["reconciled"]["resumed"] == 0 and seen["reconciled"]["failed"] == 0
+    assert seen["doorbell"] == "dropped" and seen["state"] == states.RUNNING
+    job = job_row(sessions, job_id)
+    assert job.state == states.COMPLETED and job.attempts == 1 and job.worker_id == runtime.worker_id
+    assert steps(sessions, job_id) == [1, 2, 3, 4]
+    assert event_kinds(sessions, job_id).count("started") == 1
+    assert second_worker.run_job(job_id) == "dropped"
+
+
+def test_a_dead_workers_expired_lease_is_still_taken_over(client, runtime, second_worker, sessions):
+    """The liveness guard must not shelter a worker that stopped beating."""
+    job_id = submit(client, sft_body(2, output_name=unique_name("dead")))
+    with sessions.begin() as s:
+        assert store.claim_job(s, job_id, runtime.worker_id, lease_seconds=30) is not None
+        store.heartbeat_runner(s, runtime.worker_id, current_job_id=job_id)
+        s.execute(
+            update(Runner)
+            .where(Runner.id == runtime.worker_id)
+            .values(heartbeat_at=store.utcnow() - timedelta(seconds=5))
+        )
+    expire_lease(sessions, job_id)  # expired after the owner's last heartbeat: the owner died
+    assert second_worker.reconciler.run_once()["failed"] == 1
+    assert job_row(sessions, job_id).failure_reason == "worker_lost"
+
+
+def test_a_worker_that_lost_its_job_stops_and_withdraws_what_it_published(
+    client, runtime, sessions, settings
+):
+    """The job was taken over (another owner now runs it). The old runner used to keep going
+    until its next progress write, publish and record a checkpoint under the new owner's name,
+    and then mark the job failed."""
+    name = unique_name("taken")
+    job_id = submit(client, sft_body(4, epochs=1, checkpoint_interval=1, output_name=name))
+    original = runtime._on_step
+
+    def on_step(jid, report):
+        original(jid, report)
+        if report.global_step == 2:
+            with sessions.begin() as s:  # the reconciler gave the job to worker-2
+                s.execute(update(Job).where(Job.id == jid).values(worker_id="worker-2"))
+
+    runtime._on_step = on_step
+    assert runtime.run_job(job_id) == "lost"
+    job = job_row(sessions, job_id)
+    assert job.state == states.RUNNING and job.worker_id == "worker-2" and job.failure_reason is None
+    assert steps(sessions, job_id) == [1, 2]
+    assert checkpoint_names(settings, name) == [
+        f"{name}-checkpoint-step-00000001.kiln-checkpoint",
+        f"{name}-checkpoint-step-00000002.kiln-checkpoint",
+    ]
+    with sessions() as s:
+        assert [c.global_step for c in store.list_checkpoints(s, job_id)] == [1, 2]
+    assert not (settings.adapters_dir / name).exists()
+
+
+def test_killed_between_publishing_and_recording_a_checkpoint_resumes_cleanly(
+    client, runtime, sessions, settings
+):
+    """The checkpoint was on disk under its final name but not in the store: the resume started
+    from the previous one and failed when it reached that step (names are never overwritten).
+    Now the unrecorded checkpoint is withdrawn and the resumed run writes and records it again."""
+    name = unique_name("ckkill")
+    job_id = submit(client, sft_body(3, epochs=2, checkpoint_interval=2, seed=5, output_name=name))
+    original = runtime._on_checkpoint
+
+    def on_checkpoint(jid, record):
+        if record["global_step"] == 4:
+            raise Killed  # after the rename, before the row
+        original(jid, record)
+
+    runtime._on_checkpoint = on_checkpoint
+    with pytest.raises(Killed):
+        runtime.run_job(job_id)
+    runtime._on_checkpoint = original
+    step4 = f"{name}-checkpoint-step-00000004.kiln-checkpoint"
+    assert job_row(sessions, job_id).state == states.RUNNING and step4 in checkpoint_names(settings, name)
+    expire_lease(sessions, job_id)
+    assert runtime.reconciler.run_once()["resumed"] == 1
+    job = job_row(sessions, job_id)
+    assert (
+        job.state == states.QUEUED
+        and job.resume_checkpoint == f"{name}-checkpoint-step-00000002.kiln-checkpoint"
+    )
+    assert step4 not in checkpoint_names(settings, name)
+    assert runtime.run_job(job_id) == "completed"
+    job = job_row(sessions, job_id)
+    assert job.state == states.COMPLETED and job.attempts == 2 and job.global_step == 6
+    assert steps(sessions, job_id) == [1, 2, 3, 4, 5, 6]
+    with sessions() as s:
+        assert [c.global_step for c in store.list_checkpoints(s, job_id)] == [2, 4]
+        assert store.get_adapter(s, name).job_id == job_id
+    assert step4 in checkpoint_names(settings, name)
+
+
+def test_killed_after_publishing_the_adapter_completes_from_it(client, runtime, sessions, settings):
+    """The adapter was published under its final name, then the worker died before recording it:
+    the job used to fail `worker_lost` and leave an unregistered adapter holding the name."""
+    name = unique_name("adkill")
+    job_id = submit(client, sft_body(2, epochs=1, output_name=name))
+
+    def killed(pinned, result):
+        raise Killed
+
+    runtime._record_result = killed
+    with pytest.raises(Killed):
+        runtime.run_job(job_id)
+    assert (settings.adapters_dir / name / "adapter_model.safetensors").is_file()
+    assert job_row(sessions, job_id).state == states.RUNNING
+    expire_lease(sessions, job_id)
+    assert runtime.reconciler.run_once()["completed"] == 1
+    job = job_row(sessions, job_id)
+    assert job.state == states.COMPLETED and job.failure_reason is None
+    assert job.adapter_path == str(settings.adapters_dir / name) and job.receipt["status"] == "success"
+    with sessions() as s:
+        adapter = store.get_adapter(s, name)
+        assert adapter is not None and adapter.job_id == job_id and adapter.rank == 4
+    assert runtime.run_job(job_id) == "dropped"
+
+
+def test_killed_before_the_adapter_rename_is_never_completed(
+    client, runtime, sessions, settings, monkeypatch
+):
+    """A kill inside adapter publication leaves only a hidden staging directory: the job is not
+    completed from it and no final name appears."""
+    import kiln_train.trainer
+
+    name = unique_name("prekill")
+    job_id = submit(client, sft_body(2, epochs=1, output_name=name))
+
+    def killed_mid_publication(*args, **kwargs):
+        (settings.adapters_dir / f".{name}.incomplete-0000").mkdir()
+        raise Killed
+
+    monkeypatch.setattr(kiln_train.trainer, "publish_success", killed_mid_publication)
+    with pytest.raises(Killed):
+        runtime.run_job(job_id)
+    expire_lease(sessions, job_id)
+    assert runtime.reconciler.run_once()["failed"] == 1
+    job = job_row(sessions, job_id)
+    assert job.state == states.FAILED and job.failure_reason == "worker_lost"
+    assert not (settings.adapters_dir / name).exists()
+    with sessions() as s:
+        assert store.get_adapter(s, name) is None
