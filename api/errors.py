@@ -1,8 +1,9 @@
 """The error envelope on every error, any status (DESIGN.md §7, kiln-contract §1.6).
 
 `{"error": {"code", "message", "hint"}}` for contract errors (`KilnError`), for werkzeug's own
-HTTP errors (routing 404/405, the 413 of an oversized body), for malformed JSON and for
-anything unexpected (500 `internal_error`, logged, never a traceback on the wire). Retryable
+HTTP errors (routing 404/405, the 413 of an oversized body), for malformed JSON, for a job
+database that cannot be reached (503 `database_unavailable`) and for anything unexpected (500
+`internal_error`, logged, never a traceback on the wire). Retryable
 503s carry `Retry-After`. Handlers are registered on the app, not on a blueprint: blueprint
 handlers never see routing errors (peers.md §4.1).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 
 from flask import Flask, Response, jsonify
+from sqlalchemy import exc as sa_exc
 from werkzeug.exceptions import HTTPException
 
 from kiln_train.errors import TRAINING_REQUEST_TOO_LARGE, KilnError
@@ -97,6 +99,16 @@ def register_error_handlers(app: Flask) -> None:
         if exc.code == 405 and exc.valid_methods:  # type: ignore[attr-defined]
             response.headers["Allow"] = ", ".join(sorted(exc.valid_methods))  # type: ignore[attr-defined]
         return response
+
+    @app.errorhandler(sa_exc.OperationalError)
+    @app.errorhandler(sa_exc.InterfaceError)
+    def _store_unavailable(exc: sa_exc.DBAPIError) -> Response:
+        # The connection failed (server down, restarting, SQLite busy past its timeout): the
+        # transaction rolled back, nothing was written, and retrying later is the answer.
+        log.warning("the job database is unavailable: %s", exc)
+        return error_response(
+            ApiError(DATABASE_UNAVAILABLE, "the job database is unavailable; nothing was changed")
+        )
 
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception) -> Response:

@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy.exc import OperationalError
 
 from kiln.store import Job
-from tests.api.conftest import example, sft_body, snapshot, unique_name
+from tests.api.conftest import example, sft_body, snapshot, storage_listing, unique_name
 from tests.api.test_training_resume import ADAPTER, STEP, _body, checkpoint  # noqa: F401  (fixture)
 
 CONFIG = {"epochs": 1, "lora_rank": 4, "lora_alpha": 8.0}
@@ -250,3 +250,35 @@ def test_resume_with_a_later_checkpoint_in_the_registry_is_409(
     later.rmdir()
     response = client.post("/v1/train/sft", json=_body(resume_checkpoint=checkpoint["path"].name))
     assert response.status_code == 200, response.get_json()
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("post", "/v1/train/sft"),
+        ("get", "/v1/train/status"),
+        ("get", "/v1/train/queue"),
+        ("delete", "/v1/train/queue/0b5c6c3e-3c4e-4a53-9b38-7a3c1c2b9f10"),
+        ("get", "/v1/adapters"),
+    ],
+)
+def test_unreachable_job_database_is_503_with_retry_after(method, path, tmp_path, broker):
+    """A database that refuses connections was a 500 internal_error on every route but /health."""
+    from api import create_app
+    from tests.api.conftest import make_settings
+
+    storage = tmp_path / "storage"
+    storage.mkdir()
+    settings = make_settings(storage, "postgresql://postgres@127.0.0.1:1/kiln", broker.queue)
+    app = create_app(settings)
+    try:
+        before = storage_listing(storage)
+        kwargs = {"json": sft_body(1)} if method == "post" else {}
+        response = getattr(app.test_client(), method)(path, **kwargs)
+        assert response.status_code == 503, response.get_data(as_text=True)
+        assert response.headers["Retry-After"] == "5"
+        error = response.get_json()["error"]
+        assert error["code"] == "database_unavailable" and set(error) == {"code", "message", "hint"}
+        assert broker.depth() == 0 and storage_listing(storage) == before
+    finally:
+        app.extensions["kiln"].close()
