@@ -86,6 +86,20 @@ def active_jobs_for_adapter(session: Session, name: str) -> list[str]:
     return list(session.scalars(query.order_by(Job.queue_seq)))
 
 
+def jobs_warm_starting_from(session: Session, name: str) -> list[str]:
+    """Queued or running jobs whose `config.base_adapter` is adapter `name` (they read it)."""
+    query = (
+        select(Job.id)
+        .join(Admission, Admission.job_id == Job.id)
+        .where(
+            Admission.effective_config["base_adapter"].as_string() == name,
+            Job.state.in_((states.QUEUED, states.RUNNING)),
+            Job.deleted_at.is_(None),
+        )
+    )
+    return list(session.scalars(query.order_by(Job.queue_seq)))
+
+
 def jobs_by_state(session: Session) -> dict[str, int]:
     """Tracked jobs per state (every state present, zero included)."""
     counts = dict.fromkeys(states.JOB_STATES, 0)

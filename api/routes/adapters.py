@@ -18,7 +18,7 @@ from api import schemas
 from api.admission import lock_admissions
 from api.archive import stream_tar_gz
 from api.http import json_response, services
-from api.queries import active_jobs_for_adapter
+from api.queries import active_jobs_for_adapter, jobs_warm_starting_from
 from api.views import RECEIPT_FILE, adapter_info, read_json_file
 from kiln.store import delete_adapter, get_adapter, list_adapters
 from kiln_train.checkpoint import CHECKPOINT_SUFFIX
@@ -99,7 +99,7 @@ def receipt(name: str) -> Response:
 @bp.delete("/v1/adapters/<name>")
 def delete(name: str) -> Response:
     """Delete an idle adapter and its exact checkpoints; 409 `adapter_active` while a queued or
-    running job targets it."""
+    running job targets it or warm-starts from it."""
     check_adapter_name(name)
     svc = services()
     with svc.sessions.begin() as session:
@@ -107,6 +107,11 @@ def delete(name: str) -> Response:
         active = active_jobs_for_adapter(session, name)
         if active:
             raise KilnError(ADAPTER_ACTIVE, f"job {active[0]} targets adapter {name!r}")
+        readers = jobs_warm_starting_from(session, name)
+        if readers:
+            raise KilnError(
+                ADAPTER_ACTIVE, f"job {readers[0]} warm-starts from adapter {name!r} (config.base_adapter)"
+            )
         adapter = delete_adapter(session, name)
         adapter_dir = Path(adapter.path)
     root = svc.settings.adapters_dir

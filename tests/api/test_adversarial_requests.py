@@ -282,3 +282,20 @@ def test_unreachable_job_database_is_503_with_retry_after(method, path, tmp_path
         assert broker.depth() == 0 and storage_listing(storage) == before
     finally:
         app.extensions["kiln"].close()
+
+
+def test_deleting_an_adapter_a_queued_job_warm_starts_from_is_409(client, sessions, settings, runner):
+    """The delete used to succeed; the queued job then failed at dequeue with base_adapter_missing."""
+    from tests.api.test_adapters import _publish
+
+    _publish(sessions, settings, "base", checkpoints=(), big=10)
+    job_id = client.post("/v1/train/sft", json=sft_body(1, base_adapter="base")).get_json()["job_id"]
+    response = client.delete("/v1/adapters/base")
+    assert response.status_code == 409
+    error = response.get_json()["error"]
+    assert error["code"] == "adapter_active" and job_id in error["message"]
+    assert (settings.adapters_dir / "base").is_dir()
+    assert client.get("/v1/adapters").get_json()["adapters"][0]["name"] == "base"
+    assert client.delete(f"/v1/train/queue/{job_id}").get_json()["status"] == "cancelled"
+    assert client.delete("/v1/adapters/base").status_code == 200
+    assert not (settings.adapters_dir / "base").exists()
