@@ -36,12 +36,18 @@ class FlakyStore:
         self.factory = factory
         self.fail_before = 0
         self.fail_after = 0
+        self.healthy_first = 0  # transactions that pass before the armed failures apply
 
     def __call__(self, *args, **kwargs):
         return self.factory(*args, **kwargs)
 
     @contextlib.contextmanager
     def begin(self):
+        if self.healthy_first:
+            self.healthy_first -= 1
+            with self.factory.begin() as session:
+                yield session
+            return
         if self.fail_before:
             self.fail_before -= 1
             raise OperationalError("BEGIN", {}, ConnectionError("server closed the connection unexpectedly"))
@@ -143,6 +149,19 @@ def test_store_down_at_dequeue_rings_the_doorbell_again(client, runtime, session
     assert result.state == "SUCCESS" and result.get() == "completed"
     job = job_row(sessions, job_id)
     assert job.state == states.COMPLETED and job.attempts == 1
+
+
+def test_a_claim_whose_commit_answer_was_lost_is_run_not_stranded(client, runtime, sessions, flaky):
+    """The claim committed but the connection dropped before the answer: a retry finds the job
+    `running` under this very worker. Dropping the message then would strand it until the lease
+    ran out (and burn a delivery attempt)."""
+    job_id = submit(client, sft_body(2, output_name=unique_name("claimlost")))
+    flaky.healthy_first = 1  # the FIFO look-up passes; the claim's COMMIT answer is lost
+    flaky.fail_after = 1
+    assert runtime.run_job(job_id) == "completed"
+    job = job_row(sessions, job_id)
+    assert job.state == states.COMPLETED and job.attempts == 1
+    assert event_kinds(sessions, job_id).count("started") == 1
 
 
 def test_an_expired_lease_under_a_live_worker_is_not_taken_over(
