@@ -28,6 +28,7 @@ from api.resume_gate import ResumePoint, adopt_checkpoint_fields, check_resume_i
 from api.runner_gate import RunnerTarget, check_static_gates, check_training_template, runner_target
 from api.services import Services
 from kiln.store import (
+    Admission,
     IdempotencyKeyTaken,
     Job,
     count_queued,
@@ -67,6 +68,7 @@ CHECKPOINT_BOUNDARY = "contiguous"
 ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 CHECKPOINT_NAME_MARK = "-checkpoint-step-"
 NAME_MAX_BYTES = 255  # one path segment (Linux NAME_MAX)
+DATASET_PATH_MAX = Admission.__table__.c.dataset_path.type.length
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,16 @@ def check_request_names(config: SftConfig) -> None:
             raise invalid_request(f"config.{field} {name!r} {problem}")
 
 
+def check_dataset_path_length(request: SftRequest) -> None:
+    """The admission row keeps `dataset_path` verbatim in a bounded column (Postgres would refuse
+    a longer one inside the admission transaction; SQLite would silently keep it)."""
+    path = request.dataset_path
+    if path is not None and len(path) > DATASET_PATH_MAX:
+        raise invalid_request(
+            f"dataset_path is {len(path)} characters; at most {DATASET_PATH_MAX} are accepted"
+        )
+
+
 def check_output_name_fits(name: str, total_steps: int) -> None:
     """Every name derived from the adapter's must fit one path segment: the longest is the hidden
     staging directory of its last checkpoint (kiln-contract §5.5)."""
@@ -153,6 +165,7 @@ def admit_sft(svc: Services, body: object, idempotency_key: str | None) -> Admit
     """Admit one SFT request or raise the contract error that rejects it (nothing written)."""
     request = parse_sft_request(body)  # (1)
     check_request_names(request.config)
+    check_dataset_path_length(request)
     key = check_idempotency_key(idempotency_key)
     fingerprint = request_fingerprint(body)
     try:

@@ -138,6 +138,22 @@ def test_bad_body_is_400_and_leaves_nothing(case, client, engine, broker, storag
     assert snapshot(engine, broker, storage) == before
 
 
+def test_dataset_path_longer_than_its_column_is_400(client, engine, broker, storage, settings, runner):
+    """`./` repeated resolves to a real file but overflows the admission row's varchar(1024):
+    Postgres refused the insert (500), SQLite kept it."""
+    (settings.datasets_dir / "rows.jsonl").write_text(json.dumps(ROW) + "\n", encoding="utf-8")
+    path = "./" * 600 + "rows.jsonl"
+    before = snapshot(engine, broker, storage)
+    response = client.post("/v1/train/sft", json={"dataset_path": path, "config": CONFIG})
+    assert response.status_code == 400, response.get_data(as_text=True)[:300]
+    error = response.get_json()["error"]
+    assert error["code"] == "training_invalid_request"
+    assert "dataset_path is 1210 characters; at most 1024" in error["message"]
+    assert snapshot(engine, broker, storage) == before
+    ok = client.post("/v1/train/sft", json={"dataset_path": "./rows.jsonl", "config": CONFIG})
+    assert ok.status_code == 200, ok.get_json()
+
+
 def test_longest_output_name_that_fits_is_admitted(client, sessions, runner):
     name = "a" * 165  # 255 - len(".-checkpoint-step-00000001.kiln-checkpoint.incomplete-<uuid4>")
     response = client.post("/v1/train/sft", json=sft_body(1, output_name=name))
