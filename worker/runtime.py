@@ -62,6 +62,9 @@ class CurrentRun:
     epochs: int
     cancel: threading.Event = field(default_factory=threading.Event)
     lease_lost: threading.Event = field(default_factory=threading.Event)
+    store_error: Exception | None = None  # the store stayed down while recording progress
+    recorded_step: int = 0  # the last step whose row is written
+    pending_checkpoint: dict | None = None  # published at the step being recorded next
 
 
 class WorkerRuntime:
@@ -376,16 +379,19 @@ class WorkerRuntime:
 
     def _run_of(self, job_id: str) -> CurrentRun:
         run = self.run
-        if run is None or run.job_id != job_id:  # a callback outside _run_one (tests drive it)
-            run = CurrentRun(job_id, 1)
+        if run is None or run.job_id != job_id:  # a callback outside _run_one
+            run = self.run = CurrentRun(job_id, 1)
         return run
 
     def _on_step(self, job_id: str, report: StepReport) -> None:
-        """Record one step (loss curve, progress, lease, runner heartbeat). A lost lease raises
-        LeaseLost: the trainer stops here, before `should_stop` could write a checkpoint under a
-        name the job's new owner will need."""
+        """Record one step (loss curve, progress, lease, runner heartbeat) together with the
+        checkpoint the trainer published at this step, so a recorded checkpoint always has its
+        steps recorded. A lost lease raises LeaseLost (and withdraws that checkpoint): the trainer
+        stops here, before `should_stop` could write another under a name the new owner needs."""
         run = self._run_of(job_id)
+        pending, run.pending_checkpoint = run.pending_checkpoint, None
         if run.lease_lost.is_set():
+            self._withdraw_pending(pending)
             raise store.LeaseLost(job_id, self.worker_id)
         lease = self.settings.training.lease_seconds
         rows = max(1, report.total_steps // max(1, run.epochs))
@@ -415,48 +421,53 @@ class WorkerRuntime:
                     f"epoch {report.global_step // rows} of {run.epochs} complete",
                     data={"epoch": report.global_step // rows, "global_step": report.global_step},
                 )
+            if pending is not None:
+                _record_checkpoint(s, job_id, pending)
             return cancel
 
         try:
             cancel = self.transact(write)
         except store.LeaseLost:
             run.lease_lost.set()
+            self._withdraw_pending(pending)
             raise
+        except TRANSIENT_DB_ERRORS as exc:
+            # Not the job's fault: it is resumed, not failed. The unrecorded checkpoint stays on
+            # disk for the reconciler, which withdraws it before the resume writes it again.
+            run.store_error = exc
+            raise
+        run.recorded_step = report.global_step
         if cancel:
             run.cancel.set()
 
     def _on_checkpoint(self, job_id: str, record: dict) -> None:
-        """Record a published checkpoint. When the job is no longer ours the checkpoint is
-        withdrawn: its new owner resumes from an earlier one and will publish this name itself."""
+        """A checkpoint was published. It is recorded with its step (`_on_step` follows), or now
+        when its step is already recorded (the checkpoint written on a cooperative stop). When
+        the job is no longer ours it is withdrawn: the new owner will publish this name itself."""
         run = self._run_of(job_id)
+        if run.lease_lost.is_set():
+            self._withdraw_pending(record)
+            raise store.LeaseLost(job_id, self.worker_id)
+        if record["global_step"] > run.recorded_step:
+            run.pending_checkpoint = record
+            return
         lease = self.settings.training.lease_seconds
 
         def write(s: Session, retried: bool) -> None:
-            if retried and store.get_checkpoint(s, job_id, record["basename"]) is not None:
-                return
             store.renew_lease(s, job_id, self.worker_id, lease)  # LeaseLost when not ours
-            store.record_checkpoint(
-                s,
-                job_id,
-                checkpoint_id=record["checkpoint_id"],
-                basename=record["basename"],
-                path=record["path"],
-                global_step=record["global_step"],
-                epoch_index=record["epoch_index"],
-                cursor=record["cursor"],
-                manifest_sha256="sha256:" + record["manifest_sha256"].removeprefix("sha256:"),
-                size_bytes=record["size_bytes"],
-                write_ms=record["write_ms"],
-            )
+            _record_checkpoint(s, job_id, record)
 
         try:
-            if run.lease_lost.is_set():
-                raise store.LeaseLost(job_id, self.worker_id)
             self.transact(write)
         except store.LeaseLost:
             run.lease_lost.set()
-            withdraw(Path(record["path"]))
+            self._withdraw_pending(record)
             raise
+
+    @staticmethod
+    def _withdraw_pending(record: dict | None) -> None:
+        if record is not None:
+            withdraw(Path(record["path"]))
 
     def _event(self, job_id: str, kind: str, message: str, **kw) -> None:
         self.transact(lambda s, _: store.append_event(s, job_id, kind, message, **kw))
@@ -482,6 +493,9 @@ class WorkerRuntime:
 
     def _record_result(self, pinned: PinnedJob, result: TrainResult) -> str:
         job_id = pinned.job_id
+        store_error = self._run_of(job_id).store_error
+        if store_error is not None:
+            raise store_error  # left to the reconciler, like any outcome the store cannot take
         if self._run_of(job_id).lease_lost.is_set():
             log.warning("job %s: stopped after losing its lease; its new owner records the outcome", job_id)
             if result.status == "success":
@@ -562,3 +576,23 @@ class WorkerRuntime:
             return "lost"
         self.reconciler.run_once()
         return "requeued"
+
+
+def _record_checkpoint(s: Session, job_id: str, record: dict) -> None:
+    """The `checkpoints` row of a published checkpoint (idempotent: a retried write whose commit
+    went through finds it)."""
+    if store.get_checkpoint(s, job_id, record["basename"]) is not None:
+        return
+    store.record_checkpoint(
+        s,
+        job_id,
+        checkpoint_id=record["checkpoint_id"],
+        basename=record["basename"],
+        path=record["path"],
+        global_step=record["global_step"],
+        epoch_index=record["epoch_index"],
+        cursor=record["cursor"],
+        manifest_sha256="sha256:" + record["manifest_sha256"].removeprefix("sha256:"),
+        size_bytes=record["size_bytes"],
+        write_ms=record["write_ms"],
+    )

@@ -134,6 +134,33 @@ def test_a_brief_store_outage_while_recording_progress_is_ridden_out(client, run
     assert event_kinds(sessions, job_id).count("epoch_complete") == 2
 
 
+def test_a_long_store_outage_mid_run_leaves_the_job_to_be_resumed(client, runtime, sessions, flaky):
+    """Progress could not be recorded through all retries: the job used to end `failed` with
+    the OperationalError as a training error; it is now left running for the reconciler, which
+    resumes it from its newest checkpoint once the lease has run out."""
+    name = unique_name("outage")
+    job_id = submit(client, sft_body(3, epochs=1, checkpoint_interval=1, output_name=name))
+    original = runtime._on_step
+
+    def on_step(jid, report):
+        if report.global_step == 2:
+            flaky.fail_before = len(runtime.db_retry_delays) + 1  # every attempt fails
+        original(jid, report)
+
+    runtime._on_step = on_step
+    with pytest.raises(OperationalError):
+        runtime.run_job(job_id)
+    runtime._on_step = original
+    job = job_row(sessions, job_id)
+    assert job.state == states.RUNNING and job.failure_reason is None and steps(sessions, job_id) == [1]
+    expire_lease(sessions, job_id)
+    assert runtime.reconciler.run_once()["resumed"] == 1
+    assert runtime.run_job(job_id) == "completed"
+    job = job_row(sessions, job_id)
+    assert job.state == states.COMPLETED and job.attempts == 2
+    assert steps(sessions, job_id) == [1, 2, 3]
+
+
 def test_store_down_at_dequeue_rings_the_doorbell_again(client, runtime, sessions, broker, flaky):
     """The task used to fail and be acknowledged: the published `queued` row then waited forever
     (the reconciler only republishes rows that were never published)."""
