@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kiln_train.checkpoint import CheckpointManifest, load_checkpoint, seed_for_resume
 from kiln_train.checkpoint.resume import RESUME_IGNORED_CONFIG_FIELDS, first_difference
-from kiln_train.errors import invalid_request
+from kiln_train.errors import KilnError, invalid_request
 from kiln_train.sft_config import SftConfig
 
 
@@ -57,7 +57,10 @@ def load_resume_point(config: SftConfig, adapters_dir: Path) -> ResumePoint:
     """Fully validate the checkpoint and fix the seed; 400 naming the fault."""
     assert config.resume_checkpoint is not None
     path = resolve_checkpoint_path(config.resume_checkpoint, adapters_dir)
-    loaded = load_checkpoint(path, verify_hashes=True)
+    try:
+        loaded = load_checkpoint(path, verify_hashes=True)
+    except KilnError as exc:  # name the field: the loader only knows the directory
+        raise invalid_request(f"config.resume_checkpoint: {exc.detail}", hint=exc.hint) from None
     manifest = loaded.manifest
     if manifest.training_kind != "sft":
         raise invalid_request(

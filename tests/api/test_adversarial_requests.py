@@ -117,6 +117,10 @@ BAD_BODIES = {
         json.dumps(sft_body(1, base_adapter="../../etc")).encode(),
         "config.base_adapter '../../etc' must be one path segment",
     ),
+    "resume_checkpoint_missing": (
+        json.dumps(sft_body(1, resume_checkpoint="x")).encode(),
+        "config.resume_checkpoint: checkpoint 'x': does not exist",
+    ),
     "base_adapter_missing": (
         json.dumps(sft_body(1, base_adapter="no-such-adapter")).encode(),
         "config.base_adapter 'no-such-adapter' is not an adapter in the registry",
