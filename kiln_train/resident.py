@@ -65,6 +65,19 @@ def compiled_features(backend: Backend) -> list[str]:
     return sorted(features)
 
 
+def _check_tokenizer_fits_vocabulary(tokenizer, vocab_size: int, model_dir: Path) -> None:
+    """Every id the tokenizer can emit must have an embedding row, or a row fails mid-training."""
+    from kiln_train.model.loader import CheckpointError
+
+    highest = max(tokenizer.get_vocab(with_added_tokens=True).values())
+    if highest >= vocab_size:
+        raise CheckpointError(
+            f"the tokenizer emits ids up to {highest} but the model's vocab_size is {vocab_size}: "
+            "tokenizer.json does not belong to this checkpoint",
+            file=str(model_dir / "tokenizer.json"),
+        )
+
+
 def load_resident(
     model_dir: str | Path,
     *,
@@ -81,6 +94,7 @@ def load_resident(
     backend = backend_for_device(device)
     model = load_model(model_dir, device=backend.device)
     tokenizer = load_tokenizer(model_dir)
+    _check_tokenizer_fits_vocabulary(tokenizer, model.config.vocab_size, model_dir)
     template = select_training_template(load_model_chat_template(model_dir))
     identity = model_identity(model_dir, "sha256:" + template.sha256)
     shards = base_weight_shard_manifest(model_dir)
