@@ -169,15 +169,10 @@ def read_adapter(path: Path) -> tuple[dict, dict]:
     """
     from safetensors.torch import load as load_tensors
 
-    cfg_path, model_path = path / ADAPTER_CONFIG, path / ADAPTER_MODEL
-    if not cfg_path.is_file() or not model_path.is_file():
+    model_path = path / ADAPTER_MODEL
+    if not (path / ADAPTER_CONFIG).is_file() or not model_path.is_file():
         raise TrainingFailure("base_adapter_missing", f"{path} is not a PEFT adapter directory")
-    try:
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TrainingFailure("adapter_load_failed", f"{cfg_path} is not readable JSON: {exc}") from None
-    if not isinstance(cfg, dict):
-        raise TrainingFailure("adapter_load_failed", f"{cfg_path} is not a JSON object")
+    cfg = _read_adapter_config(path)
     try:
         tensors = load_tensors(model_path.read_bytes())
     except Exception as exc:  # safetensors raises its own error types for every malformed file
@@ -228,30 +223,23 @@ def check_adapter_provenance(
         )
 
 
-def check_base_adapter(
-    path: Path,
-    config: Qwen35Config,
-    rank: int,
-    *,
-    model_config_sha256: str | None = None,
-    base_weights_sha256: str | None = None,
-) -> dict:
-    """Validate a warm-start adapter against the model and the run's rank; returns its tensors.
+# PEFT over transformers' VL class (`Qwen3_5ForConditionalGeneration`) nests the text layers one
+# level deeper; the tensors are the same, so such an adapter warm-starts under our names.
+VL_PEFT_PREFIX = "base_model.model.model.language_model."
 
-    Checks, in order: not an exact checkpoint, readable files, LoRA type, rank, target set, the
-    exact A/B key set with PEFT shapes, finite values, and (given the resident digests) the
-    provenance its `adapter_manifest.json` records.
-    """
-    if path.name.endswith(".kiln-checkpoint"):
-        raise TrainingFailure(
-            "adapter_load_failed",
-            f"{path.name} is an exact checkpoint; use resume_checkpoint to continue it, not base_adapter",
-        )
-    cfg, tensors = read_adapter(path)
-    if cfg.get("peft_type", "LORA") != "LORA":
-        raise TrainingFailure(
-            "adapter_load_failed", f"base adapter peft_type {cfg.get('peft_type')} is not LORA"
-        )
+# LoraConfig fields that change what A and B mean; a warm start from such an adapter would not
+# start from the function it was trained to compute.
+_FOREIGN_PARAMETRISATION = ("use_dora", "use_rslora")
+_PER_MODULE_OVERRIDES = ("rank_pattern", "alpha_pattern")
+
+
+def _normalise_keys(tensors: dict) -> dict:
+    if tensors and all(k.startswith(VL_PEFT_PREFIX) for k in tensors):
+        return {PEFT_PREFIX + k[len(VL_PEFT_PREFIX) :]: v for k, v in tensors.items()}
+    return tensors
+
+
+def _check_lora_parametrisation(cfg: dict, rank: int, alpha: float | None) -> None:
     r = cfg.get("r")
     if isinstance(r, bool) or not isinstance(r, int):
         raise TrainingFailure("adapter_load_failed", f"base adapter config has no integer rank r (got {r!r})")
@@ -259,15 +247,113 @@ def check_base_adapter(
         raise TrainingFailure(
             "shape_mismatch", f"base adapter rank {cfg.get('r')} differs from lora_rank {rank}"
         )
-    targets = set(cfg.get("target_modules") or [])
-    if targets != set(LORA_TARGET_MODULES):
+    for key in _FOREIGN_PARAMETRISATION:
+        if cfg.get(key):
+            raise TrainingFailure(
+                "adapter_load_failed",
+                f"base adapter sets {key}: true; Kiln trains plain LoRA (scale lora_alpha/r), so it "
+                "cannot continue this adapter",
+            )
+    for key in _PER_MODULE_OVERRIDES:
+        if cfg.get(key):
+            raise TrainingFailure(
+                "adapter_load_failed",
+                f"base adapter has a non-empty {key}; Kiln uses one rank and one alpha for every target",
+            )
+    theirs = cfg.get("lora_alpha")
+    if alpha is not None and theirs is not None:
+        if isinstance(theirs, bool) or not isinstance(theirs, (int, float)):
+            raise TrainingFailure(
+                "adapter_load_failed", f"base adapter lora_alpha {theirs!r} is not a number"
+            )
+        if float(theirs) != float(alpha):
+            raise TrainingFailure(
+                "adapter_load_failed",
+                f"base adapter lora_alpha {theirs:g} differs from lora_alpha {alpha:g}: the warm start "
+                f"would scale its delta by {float(alpha) / float(theirs):g}; submit lora_alpha {theirs:g}",
+            )
+    targets = cfg.get("target_modules")
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
         raise TrainingFailure(
             "shape_mismatch",
-            f"base adapter targets {sorted(targets)} differ from {list(LORA_TARGET_MODULES)}",
+            f"base adapter target_modules must list the modules {list(LORA_TARGET_MODULES)} "
+            f"(got {targets!r})",
         )
+    if set(targets) != set(LORA_TARGET_MODULES):
+        raise TrainingFailure(
+            "shape_mismatch",
+            f"base adapter targets {sorted(set(targets))} differ from {list(LORA_TARGET_MODULES)}",
+        )
+
+
+def _safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Tensor name -> (dtype, shape) from a safetensors file's JSON header, without torch."""
+    try:
+        with path.open("rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            fh.seek(0)
+            prefix = fh.read(8)
+            length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+            if length < 2 or length > size - 8:
+                raise ValueError(f"header length {length} does not fit a {size}-byte file")
+            header = json.loads(fh.read(length).decode("utf-8"))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+        out = {}
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            shape = entry["shape"] if isinstance(entry, dict) else None
+            if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise ValueError(f"tensor {name!r} has no valid shape")
+            out[name] = (str(entry.get("dtype")), tuple(shape))
+        return out
+    except (OSError, UnicodeDecodeError, ValueError, KeyError) as exc:
+        raise TrainingFailure(
+            "adapter_load_failed", f"{path} is not a readable safetensors file: {exc}"
+        ) from None
+
+
+def _read_adapter_config(path: Path) -> dict:
+    cfg_path = path / ADAPTER_CONFIG
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TrainingFailure("adapter_load_failed", f"{cfg_path} is not readable JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise TrainingFailure("adapter_load_failed", f"{cfg_path} is not a JSON object")
+    return cfg
+
+
+_FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
+
+
+def check_base_adapter_files(path: Path, config: Qwen35Config, rank: int, alpha: float | None) -> None:
+    """The static half of the warm-start check, torch-free (admission runs it before queueing).
+
+    Not an exact checkpoint, both files present and readable, LoRA type, rank, plain-LoRA
+    parametrisation (no DoRA/rsLoRA/per-module patterns; `lora_alpha` equal to the run's when
+    given), target set, and the exact A/B key set with PEFT shapes and floating dtypes read from
+    the safetensors header (keys of an adapter made on transformers' VL class are accepted under
+    their text-model names).
+    """
+    if path.name.endswith(".kiln-checkpoint"):
+        raise TrainingFailure(
+            "adapter_load_failed",
+            f"{path.name} is an exact checkpoint; use resume_checkpoint to continue it, not base_adapter",
+        )
+    if not (path / ADAPTER_CONFIG).is_file() or not (path / ADAPTER_MODEL).is_file():
+        raise TrainingFailure("base_adapter_missing", f"{path} is not a PEFT adapter directory")
+    cfg = _read_adapter_config(path)
+    header = _normalise_keys(_safetensors_header(path / ADAPTER_MODEL))
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise TrainingFailure(
+            "adapter_load_failed", f"base adapter peft_type {cfg.get('peft_type')} is not LORA"
+        )
+    _check_lora_parametrisation(cfg, rank, alpha)
     want = expected_shapes(config, rank)
-    missing = sorted(set(want) - set(tensors))
-    extra = sorted(set(tensors) - set(want))
+    missing = sorted(set(want) - set(header))
+    extra = sorted(set(header) - set(want))
     if missing or extra:
         raise TrainingFailure(
             "shape_mismatch",
@@ -275,11 +361,33 @@ def check_base_adapter(
             f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}",
         )
     for key, shape in want.items():
-        t = tensors[key]
-        if tuple(t.shape) != shape:
+        dtype, got = header[key]
+        if got != shape:
+            raise TrainingFailure("shape_mismatch", f"base adapter {key} has shape {got}, want {shape}")
+        if dtype not in _FLOAT_DTYPES:
             raise TrainingFailure(
-                "shape_mismatch", f"base adapter {key} has shape {tuple(t.shape)}, want {shape}"
+                "adapter_load_failed", f"base adapter {key} is {dtype}, not a floating-point tensor"
             )
+
+
+def check_base_adapter(
+    path: Path,
+    config: Qwen35Config,
+    rank: int,
+    *,
+    alpha: float | None = None,
+    model_config_sha256: str | None = None,
+    base_weights_sha256: str | None = None,
+) -> dict:
+    """Validate a warm-start adapter against the model and the run's rank; returns its tensors.
+
+    `check_base_adapter_files` first, then the tensors themselves (readable, finite) and, given
+    the resident digests, the provenance its `adapter_manifest.json` records.
+    """
+    check_base_adapter_files(path, config, rank, alpha)
+    _, tensors = read_adapter(path)
+    tensors = _normalise_keys(tensors)
+    for key, t in tensors.items():
         if not t.is_floating_point() or not bool(t.float().isfinite().all()):
             raise TrainingFailure(
                 "adapter_load_failed", f"base adapter {key} is not a finite floating-point tensor"

@@ -170,6 +170,7 @@ class SftRun:
             path,
             self.resident.config,
             self.config.lora_rank,
+            alpha=self.config.lora_alpha,
             model_config_sha256=self.resident.identity["model_config_sha256"],
             base_weights_sha256=self.resident.base_weights_sha256,
         )

@@ -275,3 +275,77 @@ def test_an_exact_checkpoint_is_not_a_base_adapter(resident, ingestion, tmp_path
     name = "ck-checkpoint-step-00000002.kiln-checkpoint"
     assert (tmp_path / name).is_dir()
     _fail(resident, ingestion, tmp_path, name, "adapter_load_failed", "is an exact training checkpoint")
+
+
+def test_an_adapter_made_on_the_vl_class_warm_starts_under_text_model_names(
+    resident, ingestion, registry, tmp_path, monkeypatch
+):
+    """PEFT over `Qwen3_5ForConditionalGeneration` nests layers under `model.language_model.`."""
+    root, path = _copy(registry, tmp_path)
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    nested = {
+        k.replace("base_model.model.model.", "base_model.model.model.language_model.", 1): v
+        for k, v in tensors.items()
+    }
+    save_file(nested, str(path / "adapter_model.safetensors"))
+    (path / "adapter_manifest.json").unlink()
+    seen = _first_step_params(monkeypatch)
+    config = make_config(seed=10, epochs=1, lora_rank=RANK, lora_alpha=ALPHA, base_adapter="copy")
+    result = train(resident, config, ingestion, root, adapter_name="child")
+    assert result.status == "success", result.failure_message
+    assert set(seen["params"]) == set(tensors)
+    assert all(torch.equal(seen["params"][k], tensors[k]) for k in tensors)
+
+
+@pytest.mark.parametrize(
+    "change,reason,match",
+    [
+        ({"lora_alpha": 2.0}, "adapter_load_failed", "base adapter lora_alpha 2 differs from lora_alpha 8"),
+        ({"use_dora": True}, "adapter_load_failed", "base adapter sets use_dora: true"),
+        ({"use_rslora": True}, "adapter_load_failed", "base adapter sets use_rslora: true"),
+        ({"rank_pattern": {"q_proj": 8}}, "adapter_load_failed", "non-empty rank_pattern"),
+        ({"target_modules": "all-linear"}, "shape_mismatch", "target_modules must list the modules"),
+        (
+            {"target_modules": ["q_proj", "v_proj"]},
+            "shape_mismatch",
+            "base adapter targets ['q_proj', 'v_proj']",
+        ),
+    ],
+)
+def test_a_base_adapter_that_means_another_function_is_refused(
+    resident, ingestion, registry, tmp_path, change, reason, match
+):
+    root, path = _copy(registry, tmp_path)
+    cfg = read_json(path / "adapter_config.json")
+    cfg.update(change)
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    _fail(resident, ingestion, root, "copy", reason, match)
+
+
+def test_a_base_adapter_with_integer_tensors_is_refused_from_its_header(
+    resident, ingestion, registry, tmp_path
+):
+    root, path = _copy(registry, tmp_path)
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    key = sorted(tensors)[0]
+    tensors[key] = torch.zeros(tensors[key].shape, dtype=torch.int32)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    _fail(resident, ingestion, root, "copy", "adapter_load_failed", f"base adapter {key} is I32")
+
+
+def test_the_static_check_needs_no_torch_and_reads_only_the_header(registry, resident, tmp_path):
+    from kiln_train.adapter import check_base_adapter_files
+    from kiln_train.errors import TrainingFailure
+
+    _, path = _copy(registry, tmp_path)
+    check_base_adapter_files(path, resident.config, RANK, ALPHA)  # the registry's adapter passes
+    model = path / "adapter_model.safetensors"
+    data = model.read_bytes()
+    header_len = int.from_bytes(data[:8], "little")
+    model.write_bytes(data[: 8 + header_len])  # header intact, tensor bytes gone: still statically valid
+    check_base_adapter_files(path, resident.config, RANK, ALPHA)
+    model.write_bytes((10**9).to_bytes(8, "little") + data[8:])
+    with pytest.raises(TrainingFailure) as err:
+        check_base_adapter_files(path, resident.config, RANK, ALPHA)
+    assert err.value.reason == "adapter_load_failed"
+    assert "header length 1000000000 does not fit" in str(err.value)
