@@ -41,6 +41,7 @@ from kiln.store import (
     new_job_id,
     states,
 )
+from kiln_train.adapter import check_base_adapter_files
 from kiln_train.checkpoint.manifest import CHECKPOINT_SUFFIX, checkpoint_dir_name
 from kiln_train.checkpoint.publish import staging_dir_name
 from kiln_train.errors import (
@@ -49,11 +50,13 @@ from kiln_train.errors import (
     TRAINING_QUEUE_FULL,
     TRAINING_TRACKED_FULL,
     KilnError,
+    TrainingFailure,
     backend_unsupported,
     invalid_request,
 )
 from kiln_train.ingestion import IngestionResult, ingest_examples, ingest_jsonl, resolve_dataset_path
 from kiln_train.memory import SegmentPlan, available_budget, plan_segments
+from kiln_train.model_config import Qwen35Config
 from kiln_train.provenance import json_sha256
 from kiln_train.sft_config import SftConfig, SftRequest, parse_sft_request
 
@@ -154,11 +157,21 @@ def check_output_name_fits(name: str, total_steps: int) -> None:
         )
 
 
-def check_base_adapter(config: SftConfig, adapters_dir: Path) -> None:
-    """A warm start needs its base adapter in the registry (the trainer re-checks at dequeue)."""
+def check_base_adapter(config: SftConfig, adapters_dir: Path, model: Qwen35Config) -> None:
+    """A warm start needs a base adapter in the registry that fits the resident model, the run's
+    rank and alpha (adapter_config.json and the safetensors header; no tensor is read). The
+    trainer re-checks everything, values and provenance included, at dequeue. A resume ignores
+    `base_adapter` (kiln-contract §5), so it is not checked then."""
     name = config.base_adapter
-    if name is not None and not (adapters_dir / name).is_dir():
+    if name is None or config.resume_checkpoint is not None:
+        return
+    path = adapters_dir / name
+    if not path.is_dir():
         raise invalid_request(f"config.base_adapter {name!r} is not an adapter in the registry")
+    try:
+        check_base_adapter_files(path, model, config.lora_rank, config.lora_alpha)
+    except TrainingFailure as exc:
+        raise invalid_request(f"config.base_adapter {name!r}: {exc.message}") from None
 
 
 def admit_sft(svc: Services, body: object, idempotency_key: str | None) -> Admitted:
@@ -199,7 +212,7 @@ def _admit(svc: Services, request: SftRequest, key: str | None, fingerprint: str
             )
         target = runner_target(runner)  # (5)
         check_static_gates(target, request.config)
-        check_base_adapter(request.config, settings.adapters_dir)
+        check_base_adapter(request.config, settings.adapters_dir, target.model)
         if request.config.output_name is not None:
             _check_adapter_free(session, svc, request.config.output_name)
     plan = _prepare(svc, request, target)  # (6)-(9), no transaction held

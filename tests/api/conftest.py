@@ -163,6 +163,27 @@ def sft_body(n: int = 2, **config: Any) -> dict:
     return body
 
 
+def write_base_adapter(path: Path, model_config: dict, rank: int = 4, alpha: float = 8.0, **cfg: Any) -> Path:
+    """A PEFT LoRA adapter directory (zero tensors) of the right shapes for `model_config`."""
+    import torch
+    from safetensors.torch import save_file
+
+    from kiln_train.adapter import expected_shapes
+    from kiln_train.model_config import LORA_TARGET_MODULES, parse_config
+
+    path.mkdir(parents=True, exist_ok=True)
+    shapes = expected_shapes(parse_config(model_config), rank)
+    save_file({k: torch.zeros(shape) for k, shape in shapes.items()}, str(path / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": list(LORA_TARGET_MODULES),
+    }
+    (path / "adapter_config.json").write_text(json.dumps({**config, **cfg}))
+    return path
+
+
 def unique_name(prefix: str = "adapter") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 

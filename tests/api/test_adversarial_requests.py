@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy.exc import OperationalError
 
 from kiln.store import Job
-from tests.api.conftest import example, sft_body, snapshot, storage_listing, unique_name
+from tests.api.conftest import example, sft_body, snapshot, storage_listing, unique_name, write_base_adapter
 from tests.api.test_training_resume import ADAPTER, STEP, _body, checkpoint  # noqa: F401  (fixture)
 
 CONFIG = {"epochs": 1, "lora_rank": 4, "lora_alpha": 8.0}
@@ -169,10 +169,53 @@ def test_longest_output_name_that_fits_is_admitted(client, sessions, runner):
     assert "use at most 165 bytes" in too_long.get_json()["error"]["message"]
 
 
-def test_base_adapter_in_the_registry_is_admitted(client, settings, runner):
-    (settings.adapters_dir / "warm").mkdir(parents=True)
+def test_base_adapter_in_the_registry_is_admitted(client, settings, runner, runner_kwargs):
+    write_base_adapter(settings.adapters_dir / "warm", runner_kwargs["model_config"])
     response = client.post("/v1/train/sft", json=sft_body(1, base_adapter="warm"))
     assert response.status_code == 200, response.get_json()
+
+
+@pytest.mark.parametrize(
+    "rank,cfg,match",
+    [
+        (8, {}, "base adapter rank 8 differs from lora_rank 4"),
+        (4, {"lora_alpha": 4.0}, "base adapter lora_alpha 4 differs from lora_alpha 8"),
+        (4, {"use_dora": True}, "base adapter sets use_dora: true"),
+        (4, {"target_modules": ["q_proj"]}, "base adapter targets ['q_proj'] differ"),
+        (4, {"peft_type": "IA3"}, "base adapter peft_type IA3 is not LORA"),
+    ],
+)
+def test_a_base_adapter_that_cannot_warm_start_this_run_is_400_before_queueing(
+    client, settings, runner, runner_kwargs, engine, broker, rank, cfg, match
+):
+    write_base_adapter(settings.adapters_dir / "warm", runner_kwargs["model_config"], rank=rank, **cfg)
+    before = snapshot(engine, broker, settings.storage.root)
+    response = client.post("/v1/train/sft", json=sft_body(1, base_adapter="warm"))
+    assert response.status_code == 400, response.get_json()
+    error = response.get_json()["error"]
+    assert error["code"] == "training_invalid_request"
+    assert "config.base_adapter 'warm': " in error["message"] and match in error["message"]
+    assert snapshot(engine, broker, settings.storage.root) == before
+
+
+def test_a_base_adapter_of_another_model_shape_is_400(client, settings, runner, runner_kwargs):
+    other = {**runner_kwargs["model_config"]}
+    text = dict(other.get("text_config", other))
+    text["intermediate_size"] = text["intermediate_size"] * 2
+    other = {**other, "text_config": text} if "text_config" in other else text
+    write_base_adapter(settings.adapters_dir / "warm", other)
+    response = client.post("/v1/train/sft", json=sft_body(1, base_adapter="warm"))
+    assert response.status_code == 400
+    assert "has shape" in response.get_json()["error"]["message"]
+
+
+def test_a_resume_ignores_base_adapter_at_admission(client, settings, runner):
+    """kiln-contract §5: a resume ignores base_adapter; the resume checkpoint decides instead."""
+    body = sft_body(
+        1, base_adapter="no-such-adapter", resume_checkpoint="x-checkpoint-step-00000001.kiln-checkpoint"
+    )
+    message = client.post("/v1/train/sft", json=body).get_json()["error"]["message"]
+    assert "base_adapter" not in message and "resume_checkpoint" in message
 
 
 JOB_ROUTES = [
@@ -304,11 +347,14 @@ def test_unreachable_job_database_is_503_with_retry_after(method, path, tmp_path
         app.extensions["kiln"].close()
 
 
-def test_deleting_an_adapter_a_queued_job_warm_starts_from_is_409(client, sessions, settings, runner):
+def test_deleting_an_adapter_a_queued_job_warm_starts_from_is_409(
+    client, sessions, settings, runner, runner_kwargs
+):
     """The delete used to succeed; the queued job then failed at dequeue with base_adapter_missing."""
     from tests.api.test_adapters import _publish
 
     _publish(sessions, settings, "base", checkpoints=(), big=10)
+    write_base_adapter(settings.adapters_dir / "base", runner_kwargs["model_config"])
     job_id = client.post("/v1/train/sft", json=sft_body(1, base_adapter="base")).get_json()["job_id"]
     response = client.delete("/v1/adapters/base")
     assert response.status_code == 409
