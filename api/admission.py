@@ -41,7 +41,7 @@ from kiln.store import (
     new_job_id,
     states,
 )
-from kiln_train.adapter import check_base_adapter_files
+from kiln_train.adapter import ADAPTER_NAME_RE, check_base_adapter_files
 from kiln_train.checkpoint.manifest import CHECKPOINT_SUFFIX, checkpoint_dir_name
 from kiln_train.checkpoint.publish import staging_dir_name
 from kiln_train.errors import (
@@ -66,9 +66,6 @@ log = logging.getLogger(__name__)
 ADMISSION_LOCK_KEY = 0x6B696C6E  # "kiln"
 IDEMPOTENCY_KEY_MAX = 255
 CHECKPOINT_BOUNDARY = "contiguous"
-# What the trainer accepts as an adapter directory name (kiln_train.adapter.check_adapter_name),
-# matched in full: `$` would also accept a trailing newline.
-ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 CHECKPOINT_NAME_MARK = "-checkpoint-step-"
 NAME_MAX_BYTES = 255  # one path segment (Linux NAME_MAX)
 DATASET_PATH_MAX = Admission.__table__.c.dataset_path.type.length

@@ -27,14 +27,18 @@ TRAIN_RECEIPT = "train_receipt.json"
 ADAPTER_MANIFEST = "adapter_manifest.json"
 CANARY_STATUS = "adapter_canary_status.json"
 PEFT_PREFIX = "base_model.model.model."
-ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
+ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")  # matched in full
 _KEY_RE = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|linear_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
 )
 
 
 def check_adapter_name(name: str) -> str:
-    if not ADAPTER_NAME_RE.match(name) or name.endswith(".kiln-checkpoint") or "-checkpoint-step-" in name:
+    if (
+        not ADAPTER_NAME_RE.fullmatch(name)
+        or name.endswith(".kiln-checkpoint")
+        or "-checkpoint-step-" in name
+    ):
         raise KilnError(INVALID_ADAPTER_NAME, f"invalid adapter name {name!r}")
     return name
 

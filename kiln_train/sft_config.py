@@ -32,7 +32,7 @@ BUILTIN_SMOKE_PROMPTS = (
     "Complete this sentence with a brief answer: The capital of France is",
     "Return a compact JSON tool call for a weather lookup in Paris:",
 )
-_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,255}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")  # matched in full
 
 _STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
 
@@ -203,8 +203,13 @@ class SftConfig(BaseModel):
     @field_validator("output_name")
     @classmethod
     def _segment(cls, v: str | None) -> str | None:
-        if v is not None and (not _NAME_RE.match(v) or v in (".", "..") or v.endswith(".kiln-checkpoint")):
-            raise ValueError("output_name must be one path segment of [A-Za-z0-9._-] (at most 255 bytes)")
+        if v is not None and (
+            not _NAME_RE.fullmatch(v) or v.endswith(".kiln-checkpoint") or "-checkpoint-step-" in v
+        ):
+            raise ValueError(
+                "output_name must be one path segment of [A-Za-z0-9._-] starting with a letter or digit "
+                "(at most 255 bytes) and must not look like an exact checkpoint name"
+            )
         return v
 
     @field_validator("adapter_smoke_prompts")

@@ -86,7 +86,7 @@ SFT_AUXILIARY_KEYS = (
     "valid_indices_sha256",
 )
 
-_IDENTIFIER_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+_IDENTIFIER_RE = re.compile(r"[A-Za-z0-9._-]+")  # matched in full (`$` admits a trailing newline)
 _HEX64_RE = r"^[0-9a-f]{64}$"
 _RFC3339_RE = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})$")
 
@@ -102,7 +102,7 @@ def check_identifier(field: str, value: str) -> None:
     if (
         not value
         or len(value.encode("utf-8")) > MAX_IDENTIFIER_BYTES
-        or not _IDENTIFIER_RE.match(value)
+        or not _IDENTIFIER_RE.fullmatch(value)
         or value in (".", "..")
     ):
         raise CheckpointError(

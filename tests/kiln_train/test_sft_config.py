@@ -333,3 +333,30 @@ def test_request_errors_name_the_full_field_path():
         parse_sft_request(body)
     ok = parse_sft_request({"examples": [{"messages": []}]})
     assert ok.config.optimizer.kind == "muon"
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["adapter\n", "-lead", ".hidden", "x-checkpoint-step-1", "a.kiln-checkpoint", "a/b", "é", "a" * 256],
+)
+def test_output_name_is_one_adapter_directory_name(name):
+    rejects({"output_name": name}, "output_name")
+
+
+@pytest.mark.parametrize("name", ["a", "support-bot_v1.2", "0" * 255])
+def test_output_name_accepts_adapter_directory_names(name):
+    assert parse_sft_config({"output_name": name}).output_name == name
+
+
+def test_every_name_check_matches_in_full():
+    """`^...$` with `re.match` admits a trailing newline; every name check must refuse it."""
+    from kiln_train.adapter import check_adapter_name
+    from kiln_train.checkpoint.errors import CheckpointError
+    from kiln_train.checkpoint.manifest import check_identifier
+
+    with pytest.raises(KilnError):
+        check_adapter_name("adapter\n")
+    with pytest.raises(CheckpointError):
+        check_identifier("adapter_name", "adapter\n")
+    assert check_adapter_name("adapter") == "adapter"
+    check_identifier("adapter_name", "adapter")
