@@ -207,7 +207,7 @@ class SftConfig(BaseModel):
             not _NAME_RE.fullmatch(v) or v.endswith(".kiln-checkpoint") or "-checkpoint-step-" in v
         ):
             raise ValueError(
-                "output_name must be one path segment of [A-Za-z0-9._-] starting with a letter or digit "
+                f"{v!r} must be one path segment of [A-Za-z0-9._-] starting with a letter or digit "
                 "(at most 255 bytes) and must not look like an exact checkpoint name"
             )
         return v

@@ -99,15 +99,15 @@ BAD_BODIES = {
     # Names the trainer refuses only after the queue wait (or that break publication) are 400 now.
     "output_name_with_trailing_newline": (
         json.dumps(sft_body(1, output_name="adapter\n")).encode(),
-        "config.output_name 'adapter\\n' must be one path segment",
+        "config.output_name: 'adapter\\n' must be one path segment",
     ),
     "output_name_hidden": (
         json.dumps(sft_body(1, output_name=".hidden")).encode(),
-        "config.output_name '.hidden' must be one path segment",
+        "config.output_name: '.hidden' must be one path segment",
     ),
     "output_name_like_a_checkpoint": (
         json.dumps(sft_body(1, output_name="x-checkpoint-step-00000001")).encode(),
-        "config.output_name 'x-checkpoint-step-00000001' must not look like an exact checkpoint",
+        "config.output_name: 'x-checkpoint-step-00000001' must be one path segment",
     ),
     "output_name_too_long_for_its_checkpoints": (
         json.dumps(sft_body(1, output_name="a" * 200)).encode(),
