@@ -27,7 +27,7 @@ from kiln_train.errors import ADAPTER_ALREADY_EXISTS, KilnError, TrainingFailure
 from kiln_train.ingestion import IngestionResult
 from kiln_train.loss import sft_loss
 from kiln_train.optim import build_optimizer
-from kiln_train.optim.state import decode_state, encode_state
+from kiln_train.optim.state import encode_state
 from kiln_train.receipt import RunFacts, build_receipt
 from kiln_train.resident import ResidentModel
 from kiln_train.sft_config import SftConfig
@@ -84,6 +84,19 @@ class _Loop:
         )
 
 
+@dataclass(frozen=True)
+class _Resume:
+    """A checkpoint validated for this run, with its tensors decoded on the host."""
+
+    loaded: ckpt.LoadedCheckpoint
+    adapter: dict[str, torch.Tensor]
+    optimizer_state: dict[str, torch.Tensor] | None
+
+    @property
+    def start_step(self) -> int:
+        return self.loaded.manifest.progress.global_step
+
+
 class SftRun:
     """One call of `train_sft`: the state shared by the loop, checkpoints and publication."""
 
@@ -123,7 +136,10 @@ class SftRun:
         self.on_checkpoint: Callable[[dict], None] | None = on_checkpoint
 
     # ----- set-up ------------------------------------------------------------------------
-    def prepare(self, resume_checkpoint: Path | None) -> None:
+    def prepare(self, resume_checkpoint: Path | None, *, may_stop: bool = True) -> None:
+        """Every check, then the LoRA set and optimizer. A resume is refused, naming the field or
+        file, before any model work: the checkpoint (files, manifest, identity, tensors and
+        optimizer state against the LoRA layout) is fully validated before LoRA tensors exist."""
         from kiln_train.model import attach_lora
 
         release_lora(self.model)  # a crashed earlier job must not leave its pairs attached
@@ -139,13 +155,33 @@ class SftRun:
         verify_rows(self.ingestion)
         self.segments, entries = per_row_plan(self.resident, c, self.ingestion, self.plan, self.route)
         self.aux = auxiliary_state(self.resident, c, self.ingestion, self.route, entries)
-        loaded = self._load_resume(resume_checkpoint) if resume_checkpoint is not None else None
+        resume = self._load_resume(resume_checkpoint) if resume_checkpoint is not None else None
+        self._check_checkpoint_names(resume.start_step if resume is not None else 0, may_stop)
+        c = self.config  # a resume adopts the checkpoint's base_adapter
         self.lora = attach_lora(self.model, c.lora_rank, c.lora_alpha, c.seed)
-        if c.base_adapter is not None and loaded is None:
+        if c.base_adapter is not None and resume is None:
             self._warm_start(c.base_adapter)
+            self.aux = {**self.aux, ckpt.BASE_ADAPTER_AUX_KEY: dict(self.base_adapter_identity)}
         self.optimizer = build_optimizer(c.optimizer, self.lora.named_parameters(), c.learning_rate)
-        if loaded is not None:
-            self._restore(loaded)
+        if resume is not None:
+            self._restore(resume)
+
+    def _check_checkpoint_names(self, start: int, may_stop: bool) -> None:
+        """Checkpoint names are never overwritten: refuse now, before any work, when a name this
+        run may publish (an interval step, or any step a cooperative stop may land on) is taken."""
+        interval = self.config.checkpoint_interval
+        for step, basename in ckpt.checkpoint_names(self.registry, self.adapter_name).items():
+            if not start < step < self.total_steps:
+                continue
+            if may_stop or (interval and step % interval == 0):
+                raise TrainingFailure(
+                    "training_error",
+                    f"{ADAPTER_ALREADY_EXISTS}: exact checkpoint {basename!r} of adapter "
+                    f"{self.adapter_name!r} already exists in {self.registry} (step {step}, after this "
+                    f"run's start at step {start}); this run could have to publish that name again and "
+                    "checkpoint names are never overwritten. Resume from the newest checkpoint, or move "
+                    "the later ones out of the registry",
+                )
 
     def _warm_start(self, name: str) -> None:
         """Start from a PEFT adapter's tensors: a new run (fresh optimizer, step 0), not a resume."""
@@ -178,38 +214,107 @@ class SftRun:
         dtype = next(p for _, p in self.lora.named_parameters()).dtype
         self.lora.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
 
-    def _load_resume(self, path: Path) -> ckpt.LoadedCheckpoint:
+    def _load_resume(self, path: Path) -> _Resume:
+        """Full validation of the checkpoint against this run, all before any model work."""
         loaded = ckpt.load_checkpoint(path, verify_hashes=True)
+        m = loaded.manifest
         expected = ckpt.sft_resume_expectation(
             config=self.config,
             adapter_name=self.adapter_name,
             precision_policy=self.resident.backend.precision_policy(self.config.optimizer.kind),
             content_sha256=self.ingestion.receipt["kept_corpus_sha256"],
             item_count=self.n,
-            auxiliary_state=self.aux,
+            auxiliary_state=ckpt.with_checkpoint_lineage(self.aux, m),
             requested_seed=self.config.seed,
         )
-        ckpt.compare_for_resume(loaded.manifest, expected)
-        return loaded
+        try:
+            ckpt.compare_for_resume(m, expected)
+        except ckpt.CheckpointError as exc:
+            raise ckpt.CheckpointError(
+                f"checkpoint {loaded.path.name!r}: {ckpt.MANIFEST_FILENAME}: {exc.detail}"
+            ) from None
+        # Resume ignores the request's base_adapter: the run's lineage is the checkpoint's.
+        base_adapter, identity = ckpt.checkpoint_lineage(m)
+        self.config = self.config.model_copy(update={"base_adapter": base_adapter})
+        self.aux = expected.auxiliary_state
+        self.base_adapter_identity = identity
+        adapter = self._resume_adapter_tensors(loaded)
+        optimizer_state = self._resume_optimizer_state(loaded)
+        return _Resume(loaded, adapter, optimizer_state)
 
-    def _restore(self, loaded: ckpt.LoadedCheckpoint) -> None:
+    def _lora_layout(self) -> dict[str, tuple[int, ...]]:
+        """PEFT key -> shape of every LoRA leaf `attach_lora` will create (no allocation)."""
+        from kiln_train.model.lora import lora_key
+
+        r = self.config.lora_rank
+        layout: dict[str, tuple[int, ...]] = {}
+        for proj in self.model.config.projections():
+            layout[lora_key(proj.module, "A")] = (r, proj.in_features)
+            layout[lora_key(proj.module, "B")] = (proj.out_features, r)
+        return layout
+
+    @staticmethod
+    def _decode(loaded: ckpt.LoadedCheckpoint, rel: str) -> dict[str, torch.Tensor]:
         from safetensors.torch import load as load_tensors
 
-        m = loaded.manifest
-        tensors = load_tensors(loaded.read_verified(ckpt.ADAPTER_FILE))
-        params = dict(self.lora.named_parameters())
-        if set(tensors) != set(params):
-            raise TrainingFailure("shape_mismatch", "checkpoint adapter tensors differ from the LoRA leaves")
-        for name, p in params.items():
-            t = tensors[name]
-            if t.shape != p.shape or t.dtype != p.dtype or not bool(torch.isfinite(t).all()):
-                raise TrainingFailure("shape_mismatch", f"checkpoint tensor {name} does not fit its leaf")
-        self.lora.load_state_dict(tensors, strict=True)
-        if m.state_files.optimizer_state is not None:
-            state = decode_state(loaded.read_verified(m.state_files.optimizer_state))
-            self.optimizer.load_state_tensors(state, global_step=m.progress.global_step)
+        data = loaded.read_verified(rel)
+        try:
+            return load_tensors(data)
+        except Exception as exc:  # safetensors raises its own error types for a malformed file
+            raise ckpt.CheckpointError(
+                f"checkpoint {loaded.path.name!r}: {rel} is not a readable safetensors file ({exc})"
+            ) from None
+
+    def _resume_adapter_tensors(self, loaded: ckpt.LoadedCheckpoint) -> dict[str, torch.Tensor]:
+        """The checkpoint's adapter tensors, checked against the LoRA layout: exact key set, shapes,
+        the resident parameter dtype, finite values."""
+        where = f"checkpoint {loaded.path.name!r}: {ckpt.ADAPTER_FILE}"
+        tensors = self._decode(loaded, ckpt.ADAPTER_FILE)
+        layout, dtype = self._lora_layout(), self.model.dtype
+        missing = [k for k in layout if k not in tensors]
+        unknown = sorted(k for k in tensors if k not in layout)
+        if missing or unknown:
+            raise TrainingFailure(
+                "shape_mismatch",
+                f"{where}: the tensor set differs from the LoRA leaves ({len(missing)} missing, first "
+                f"{missing[:1]}; {len(unknown)} unknown, first {unknown[:1]})",
+            )
+        for key, shape in layout.items():
+            t = tensors[key]
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise TrainingFailure(
+                    "shape_mismatch",
+                    f"{where}: tensor {key!r} is {tuple(t.shape)} {t.dtype}, the LoRA leaf is {shape} {dtype}",
+                )
+            if not bool(torch.isfinite(t).all()):
+                raise ckpt.CheckpointError(f"{where}: tensor {key!r} holds non-finite values")
+        return tensors
+
+    def _resume_optimizer_state(self, loaded: ckpt.LoadedCheckpoint) -> dict[str, torch.Tensor] | None:
+        """The checkpoint's optimizer state, validated by the optimizer's own loader against
+        storage-free (meta) leaves of the LoRA layout: exact keys, shapes, F32, finite, counters."""
+        rel = loaded.manifest.state_files.optimizer_state
+        if rel is None:
+            return None
+        state = self._decode(loaded, rel)
+        dtype = self.model.dtype
+        leaves = [(k, torch.empty(s, dtype=dtype, device="meta")) for k, s in self._lora_layout().items()]
+        probe = build_optimizer(self.config.optimizer, leaves, self.config.learning_rate)
+        try:
+            probe.load_state_tensors(state, global_step=loaded.manifest.progress.global_step)
+        except TrainingFailure as exc:
+            raise TrainingFailure(
+                exc.reason, f"checkpoint {loaded.path.name!r}: {rel}: {exc.message}"
+            ) from None
+        return state
+
+    def _restore(self, resume: _Resume) -> None:
+        m = resume.loaded.manifest
+        self.lora.load_state_dict(resume.adapter, strict=True)
+        if resume.optimizer_state is not None:
+            self.optimizer.load_state_tensors(resume.optimizer_state, global_step=m.progress.global_step)
         self.optimizer.step_count = m.progress.global_step
-        ls = ckpt.parse_loop_state(loaded.read_verified(ckpt.LOOP_STATE_FILE))
+        ls = resume.loaded.loop_state
         self.loop = _Loop(
             global_step=ls.global_step,
             epoch_index=ls.epoch_index,
@@ -221,7 +326,7 @@ class SftRun:
             best_epoch_loss=ls.best_epoch_loss,
         )
         self.grads = GradNormAccumulator(dict(ls.lora_grad_norms))
-        log.info("resumed %s at global step %d", loaded.path.name, ls.global_step)
+        log.info("resumed %s at global step %d", resume.loaded.path.name, ls.global_step)
 
     # ----- one step ----------------------------------------------------------------------
     def step(self, row_pos: int) -> float:
@@ -408,7 +513,11 @@ def train_sft(
         on_checkpoint=on_checkpoint,
     )
     try:
-        run.prepare(Path(resume_checkpoint) if resume_checkpoint is not None else None)
+        run.prepare(
+            Path(resume_checkpoint) if resume_checkpoint is not None else None,
+            may_stop=should_stop is not None,
+        )
+        facts.config = run.config.to_json()  # a resume adopted the checkpoint's base_adapter
         run.run(progress, should_stop)
         tensors = {k: v.detach().cpu().contiguous() for k, v in run.lora.state_dict().items()}
         smoke = None
@@ -420,7 +529,7 @@ def train_sft(
             if smoke
             else None
         )
-        parent = config.base_adapter
+        parent = run.config.base_adapter
         path, receipt = publish_success(
             resident, facts, registry, tensors, parent_adapter=parent, extra_files=extra
         )

@@ -24,6 +24,7 @@ from kiln_train.checkpoint.load import (
     PEFT_MESSAGE,
     DiscoveredCheckpoint,
     LoadedCheckpoint,
+    checkpoint_names,
     discover_checkpoints,
     latest_valid_checkpoint,
     load_checkpoint,
@@ -38,6 +39,7 @@ from kiln_train.checkpoint.loop_state import (
 )
 from kiln_train.checkpoint.manifest import (
     ADAPTER_FILE,
+    BASE_ADAPTER_AUX_KEY,
     CHECKPOINT_SUFFIX,
     LOOP_STATE_FILE,
     MANIFEST_FILENAME,
@@ -54,15 +56,18 @@ from kiln_train.checkpoint.manifest import (
 from kiln_train.checkpoint.publish import PublishedCheckpoint, publish_checkpoint
 from kiln_train.checkpoint.resume import (
     ResumeExpectation,
+    checkpoint_lineage,
     compare_for_resume,
     seed_for_resume,
     sft_resume_expectation,
     verify_queued_checkpoint,
+    with_checkpoint_lineage,
 )
 from kiln_train.checkpoint.rules import validate_manifest
 
 __all__ = [
     "ADAPTER_FILE",
+    "BASE_ADAPTER_AUX_KEY",
     "CHECKPOINT_SUFFIX",
     "EPOCH_ORDER_ALGORITHM",
     "LOOP_STATE_FILE",
@@ -83,6 +88,8 @@ __all__ = [
     "ResumeExpectation",
     "SftLoopState",
     "check_loop_state_progress",
+    "checkpoint_lineage",
+    "checkpoint_names",
     "checkpoint_dir_name",
     "checkpoint_effective_config",
     "checkpoint_id_for",
@@ -106,4 +113,5 @@ __all__ = [
     "validate_loop_state",
     "validate_manifest",
     "verify_queued_checkpoint",
+    "with_checkpoint_lineage",
 ]

@@ -107,21 +107,29 @@ def _read_manifest(path: Path) -> tuple[CheckpointManifest, str]:
         path / MANIFEST_FILENAME, MANIFEST_FILENAME, "manifest", max_bytes=MAX_MANIFEST_BYTES
     )
     manifest = parse_manifest_bytes(data)
-    validate_manifest(manifest)
+    try:
+        validate_manifest(manifest)
+    except CheckpointError as exc:  # name the file the offending field lives in
+        raise CheckpointError(f"{MANIFEST_FILENAME}: {exc.detail}") from None
     expected = checkpoint_dir_name(manifest.adapter_name, manifest.progress.global_step)
     if path.name != expected:
         raise CheckpointError(
-            f"the directory name is not {expected!r} (from adapter_name and progress.global_step)"
+            f"the directory name is not {expected!r} (from {MANIFEST_FILENAME}: adapter_name "
+            f"{manifest.adapter_name!r}, progress.global_step {manifest.progress.global_step})"
         )
     return manifest, hashlib.sha256(data).hexdigest()
 
 
 def _check_content(rel: str, record: FileRecord, size: int, sha256: str | None) -> None:
+    # A mismatch cannot tell which side changed: name both the file and the manifest.
+    changed = f"{rel} or {MANIFEST_FILENAME} was modified"
     if size != record.size_bytes:
-        raise CheckpointError(f"files[{rel!r}].size_bytes: manifest {record.size_bytes}, on disk {size}")
+        raise CheckpointError(
+            f"files[{rel!r}].size_bytes: manifest {record.size_bytes}, on disk {size} ({changed})"
+        )
     if sha256 is not None and sha256 != record.sha256:
         raise CheckpointError(
-            f"files[{rel!r}].sha256: manifest {record.sha256}, on disk {sha256} (the file was modified)"
+            f"files[{rel!r}].sha256: manifest {record.sha256}, on disk {sha256} ({changed})"
         )
 
 
@@ -216,6 +224,22 @@ def discover_checkpoints(registry_dir: Path, adapter_name: str) -> list[Discover
             except CheckpointError as exc:
                 found.append(DiscoveredCheckpoint(path, int(match.group(1)), None, None, exc.detail))
     return sorted(found, key=lambda c: (c.global_step, c.path.name))
+
+
+def checkpoint_names(registry_dir: Path, adapter_name: str) -> dict[int, str]:
+    """step -> basename of every entry in `registry_dir` (of any kind, valid or not) that holds the
+    exact name a checkpoint of `adapter_name` at that step would be published under."""
+    registry_dir = Path(registry_dir)
+    if not registry_dir.is_dir():
+        return {}
+    pattern = _step_pattern(adapter_name)
+    found = {}
+    with os.scandir(registry_dir) as entries:
+        for entry in entries:
+            match = pattern.match(entry.name)
+            if match is not None and entry.name == checkpoint_dir_name(adapter_name, int(match.group(1))):
+                found[int(match.group(1))] = entry.name
+    return dict(sorted(found.items()))
 
 
 def latest_valid_checkpoint(registry_dir: Path, adapter_name: str) -> DiscoveredCheckpoint | None:

@@ -85,6 +85,12 @@ SFT_AUXILIARY_KEYS = (
     "training_runtime_planning_identity",
     "valid_indices_sha256",
 )
+# Optional `auxiliary_state` member of a warm-started run: the receipt identity
+# `{path, adapter_model_sha256, adapter_model_bytes}` of `effective_config.base_adapter` as it was
+# loaded. A resume does not load the base adapter again (it continues the checkpoint's tensors), so
+# it takes the run's lineage from here; absent when the run started from the seeded LoRA init.
+BASE_ADAPTER_AUX_KEY = "base_adapter"
+BASE_ADAPTER_IDENTITY_KEYS = ("path", "adapter_model_sha256", "adapter_model_bytes")
 
 _IDENTIFIER_RE = re.compile(r"[A-Za-z0-9._-]+")  # matched in full (`$` admits a trailing newline)
 _HEX64_RE = r"^[0-9a-f]{64}$"

@@ -26,6 +26,7 @@ from kiln_train.checkpoint.draft import (
 from kiln_train.checkpoint.errors import CheckpointError
 from kiln_train.checkpoint.load import LoadedCheckpoint
 from kiln_train.checkpoint.manifest import (
+    BASE_ADAPTER_AUX_KEY,
     DATA_SOURCE_KIND,
     CheckpointManifest,
     DataIdentity,
@@ -93,6 +94,23 @@ def sft_resume_expectation(
         auxiliary_state=auxiliary_state,
         requested_seed=requested_seed,
     )
+
+
+def checkpoint_lineage(manifest: CheckpointManifest) -> tuple[str | None, dict[str, Any] | None]:
+    """The warm start a checkpointed run made: (`effective_config.base_adapter`, its receipt
+    identity or None). A resumed run adopts both whatever its request says (resume ignores
+    `base_adapter`), so its receipt, adapter manifest and later checkpoints name the same parent."""
+    identity = manifest.auxiliary_state.get(BASE_ADAPTER_AUX_KEY)
+    return manifest.effective_config.get("base_adapter"), (dict(identity) if identity is not None else None)
+
+
+def with_checkpoint_lineage(auxiliary_state: dict[str, Any], manifest: CheckpointManifest) -> dict[str, Any]:
+    """The resuming run's auxiliary state with the checkpoint's base-adapter identity adopted."""
+    out = {k: v for k, v in auxiliary_state.items() if k != BASE_ADAPTER_AUX_KEY}
+    _, identity = checkpoint_lineage(manifest)
+    if identity is not None:
+        out[BASE_ADAPTER_AUX_KEY] = identity
+    return out
 
 
 def _render(value: Any) -> str:

@@ -10,6 +10,7 @@ discovery on its own. Each failure is a `CheckpointError` naming the field.
 from __future__ import annotations
 
 import posixpath
+import re
 from typing import Any
 
 from pydantic import ValidationError
@@ -18,6 +19,8 @@ from kiln_train.backend import SFT_LOSS_ROUTES
 from kiln_train.checkpoint.epoch_order import epoch_order
 from kiln_train.checkpoint.errors import CheckpointError
 from kiln_train.checkpoint.manifest import (
+    BASE_ADAPTER_AUX_KEY,
+    BASE_ADAPTER_IDENTITY_KEYS,
     MAX_FILES,
     MAX_RELPATH_BYTES,
     RESERVED_NAMES,
@@ -249,6 +252,46 @@ def _check_sft_resumable(m: CheckpointManifest) -> None:
     ):
         if not _non_empty_str(aux[key]):
             raise CheckpointError(f"auxiliary_state.{key}: must be a non-empty string")
+    _check_base_adapter_lineage(m)
+
+
+_SHA256_RE = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def _check_base_adapter_lineage(m: CheckpointManifest) -> None:
+    """`auxiliary_state.base_adapter` is the identity of `effective_config.base_adapter`: present
+    only for a warm-started run, and then naming that adapter's directory."""
+    field = f"auxiliary_state.{BASE_ADAPTER_AUX_KEY}"
+    name = m.effective_config.get("base_adapter")
+    identity = m.auxiliary_state.get(BASE_ADAPTER_AUX_KEY)
+    if identity is None:
+        if BASE_ADAPTER_AUX_KEY in m.auxiliary_state:
+            raise CheckpointError(f"{field}: null; omit it when the run did not start from a base adapter")
+        if name is not None:
+            raise CheckpointError(
+                f"effective_config.base_adapter: {name!r}, but the checkpoint records no {field} identity "
+                "of the adapter the run started from"
+            )
+        return
+    if name is None:
+        raise CheckpointError(
+            f"{field}: present, but effective_config.base_adapter is null (the run did not warm-start)"
+        )
+    if not isinstance(identity, dict) or set(identity) != set(BASE_ADAPTER_IDENTITY_KEYS):
+        raise CheckpointError(
+            f"{field}: must be an object with exactly {', '.join(BASE_ADAPTER_IDENTITY_KEYS)}"
+        )
+    path = identity["path"]
+    if not _non_empty_str(path) or posixpath.basename(path.rstrip("/")) != name:
+        raise CheckpointError(
+            f"{field}.path: {path!r} is not the directory of effective_config.base_adapter {name!r}"
+        )
+    digest = identity["adapter_model_sha256"]
+    if not isinstance(digest, str) or not _SHA256_RE.fullmatch(digest):
+        raise CheckpointError(f"{field}.adapter_model_sha256: {digest!r} is not sha256:<64 lowercase hex>")
+    size = identity["adapter_model_bytes"]
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise CheckpointError(f"{field}.adapter_model_bytes: {size!r} is not a positive byte count")
 
 
 def _check_planning_identity(identity: Any) -> None:
