@@ -165,9 +165,42 @@ def parse_loop_state(data: bytes) -> SftLoopState:
     return state
 
 
+def _running_sum(values: list[float]) -> float:
+    """The loop's own accumulation: `0.0 + v0 + v1 + ...`, left to right."""
+    total = 0.0
+    for v in values:
+        total += v
+    return total
+
+
 def check_loop_state_progress(state: SftLoopState, progress: Progress) -> None:
-    """The loop state and the manifest must describe the same point of the run."""
+    """The loop state and the manifest must describe the same point of the run.
+
+    While the run is unfinished the manifest's data order gives the rows per epoch `n`, and the
+    epoch statistics are then exactly what the loop derives from the loss history: the running
+    sum of this epoch's losses, and the first and best completed-epoch means (running sum / n).
+    """
     for name in ("global_step", "epoch_index", "cursor_in_epoch"):
         ours, theirs = getattr(state, name), getattr(progress, name)
         if ours != theirs:
             raise CheckpointError(f"{LOOP_STATE_FILE}: {name} {ours} differs from progress.{name} {theirs}")
+    n = len(progress.data_order)
+    if n == 0 or state.epoch_index * n + state.cursor_in_epoch != state.global_step:
+        return  # finished, or inconsistent progress (the manifest rules name that)
+    history = state.loss_history
+    running = _running_sum(history[state.global_step - state.cursor_in_epoch :])
+    if _bits(running) != _bits(state.current_epoch_loss_sum):
+        raise CheckpointError(
+            f"{LOOP_STATE_FILE}: current_epoch_loss_sum {state.current_epoch_loss_sum!r} is not the sum of "
+            f"this epoch's {state.cursor_in_epoch} loss_history entries {running!r}"
+        )
+    means = [_running_sum(history[e * n : (e + 1) * n]) / n for e in range(state.epoch_index)]
+    for name, expected in (
+        ("first_epoch_loss", means[:1]),
+        ("best_epoch_loss", [min(means)] if means else []),
+    ):
+        value = getattr(state, name)
+        if expected and _bits(value) != _bits(expected[0]):
+            raise CheckpointError(
+                f"{LOOP_STATE_FILE}: {name} {value!r} is not the epoch mean {expected[0]!r} the loss_history gives"
+            )

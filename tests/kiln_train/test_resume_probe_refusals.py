@@ -189,6 +189,20 @@ def _nan(tensors, key):
     tensors[key].view(-1)[0] = float("nan")
 
 
+def _loop(edit):
+    def mutate(data: bytes) -> bytes:
+        state = json.loads(data)
+        edit(state)
+        return json.dumps(state, indent=2).encode()
+
+    return mutate
+
+
+def _bump_last(state):
+    state["loss_history"][-1] += 1e-6
+    state["last_loss"] = state["loss_history"][-1]
+
+
 FORGED = {
     "adapter-rank-2": (
         ADAPTER,
@@ -257,6 +271,31 @@ FORGED = {
         lambda data: data[:100],
         "training_error",
         ["optimizer.safetensors is not a readable safetensors file"],
+    ),
+    # The step-6 loop state: epoch 1, cursor 2; its epoch statistics follow from loss_history.
+    "loop-epoch-sum": (
+        LOOP,
+        _loop(lambda st: st.update(current_epoch_loss_sum=st["current_epoch_loss_sum"] + 1e-9)),
+        "training_error",
+        ["sft_loop_state.json", "current_epoch_loss_sum", "is not the sum of this epoch's 2 loss_history"],
+    ),
+    "loop-last-loss-changed": (
+        LOOP,
+        _loop(_bump_last),
+        "training_error",
+        ["sft_loop_state.json", "current_epoch_loss_sum"],
+    ),
+    "loop-first-epoch-mean": (
+        LOOP,
+        _loop(lambda st: st.update(first_epoch_loss=st["first_epoch_loss"] * 1.5)),
+        "training_error",
+        ["sft_loop_state.json", "first_epoch_loss", "is not the epoch mean"],
+    ),
+    "loop-first-epoch-history": (
+        LOOP,
+        _loop(lambda st: st["loss_history"].__setitem__(0, st["loss_history"][0] - 1e-3)),
+        "training_error",
+        ["sft_loop_state.json", "first_epoch_loss", "is not the epoch mean"],
     ),
 }
 
