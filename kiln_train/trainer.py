@@ -238,6 +238,7 @@ class SftRun:
         self.config = self.config.model_copy(update={"base_adapter": base_adapter})
         self.aux = expected.auxiliary_state
         self.base_adapter_identity = identity
+        self._check_resume_grad_norms(loaded)
         adapter = self._resume_adapter_tensors(loaded)
         optimizer_state = self._resume_optimizer_state(loaded)
         return _Resume(loaded, adapter, optimizer_state)
@@ -300,13 +301,34 @@ class SftRun:
         dtype = self.model.dtype
         leaves = [(k, torch.empty(s, dtype=dtype, device="meta")) for k, s in self._lora_layout().items()]
         probe = build_optimizer(self.config.optimizer, leaves, self.config.learning_rate)
+        where = f"checkpoint {loaded.path.name!r}: {rel}"
+        step = loaded.manifest.progress.global_step
         try:
-            probe.load_state_tensors(state, global_step=loaded.manifest.progress.global_step)
+            probe.load_state_tensors(state, global_step=step)
         except TrainingFailure as exc:
-            raise TrainingFailure(
-                exc.reason, f"checkpoint {loaded.path.name!r}: {rel}: {exc.message}"
-            ) from None
+            raise TrainingFailure(exc.reason, f"{where}: {exc.message}") from None
+        # One conversation is one update of every leaf: each counter is the global step.
+        for key, count in probe.param_steps.items():
+            if count != step:
+                raise ckpt.CheckpointError(
+                    f"{where}: the step counter of {key!r} is {count}; every LoRA leaf is updated at each of "
+                    f"the {step} steps"
+                )
         return state
+
+    def _check_resume_grad_norms(self, loaded: ckpt.LoadedCheckpoint) -> None:
+        """The loop state's gradient-norm statistics hold one sample per projection and step."""
+        per_target: dict[str, int] = {}
+        for proj in self.model.config.projections():
+            per_target[proj.target] = per_target.get(proj.target, 0) + 1
+        state, step = loaded.loop_state, loaded.manifest.progress.global_step
+        expected = {t: n * step for t, n in per_target.items()} if step else {}
+        found = {t: s.sample_count for t, s in state.lora_grad_norms.items()}
+        if found != expected:
+            raise ckpt.CheckpointError(
+                f"checkpoint {loaded.path.name!r}: {ckpt.LOOP_STATE_FILE}: lora_grad_norms sample counts "
+                f"{found} are not one per projection and step {expected}"
+            )
 
     def _restore(self, resume: _Resume) -> None:
         m = resume.loaded.manifest

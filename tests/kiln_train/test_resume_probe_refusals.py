@@ -272,6 +272,24 @@ FORGED = {
         "training_error",
         ["optimizer.safetensors is not a readable safetensors file"],
     ),
+    "optimizer-step-behind": (
+        OPTIMIZER,
+        _tensors(lambda t: t.update({FIRST_A + ".adamw.step": torch.tensor([5], dtype=torch.uint32)})),
+        "training_error",
+        ["optimizer.safetensors", "the step counter of", "is 5; every LoRA leaf is updated at each of the 6"],
+    ),
+    "loop-grad-norm-samples": (
+        LOOP,
+        _loop(lambda st: st["lora_grad_norms"]["q_proj"].update(sample_count=1)),
+        "training_error",
+        ["sft_loop_state.json", "lora_grad_norms sample counts", "'q_proj': 1"],
+    ),
+    "loop-grad-norm-module": (
+        LOOP,
+        _loop(lambda st: st["lora_grad_norms"].update(lm_head=st["lora_grad_norms"]["q_proj"])),
+        "training_error",
+        ["sft_loop_state.json", "lora_grad_norms sample counts", "'lm_head'"],
+    ),
     # The step-6 loop state: epoch 1, cursor 2; its epoch statistics follow from loss_history.
     "loop-epoch-sum": (
         LOOP,
