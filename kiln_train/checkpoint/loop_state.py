@@ -7,7 +7,8 @@ bit-identical values. Invariants (§5.1): `len(loss_history) == global_step`, `l
 last element (null before any step), `current_epoch_items == cursor_in_epoch`, the epoch-loss
 fields are present exactly when `epoch_index > 0`, everything finite; and, because the writer
 checkpoints an epoch boundary after the epoch-end bookkeeping, a zero cursor means a zero
-running sum.
+running sum. Against the manifest's progress (`check_loop_state_progress`) the running sum and
+the first/best epoch means must also be exactly what the loss history gives.
 
 The gradient-norm accumulator keeps `{sample_count, sum, min, max}` per LoRA module (the sum,
 not the mean, so continuing the accumulation after resume is exact); `mean` is derived.

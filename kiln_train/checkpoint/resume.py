@@ -8,7 +8,10 @@ and scheduler records, RNG streams, the base-weight aggregate, the execution-pro
 and then the whole auxiliary state. The first drift fails with its field path and both values,
 e.g. `effective_config.lora_rank: checkpoint 16, request 8`. Progress-dependent members (the
 optimizer/scheduler `step`, the RNG `position`) are validated against the progress by the
-loader instead. Torch-free.
+loader instead. A warm-started run's lineage (`effective_config.base_adapter` and its recorded
+identity `auxiliary_state.base_adapter`) is not compared but adopted (`checkpoint_lineage`,
+`with_checkpoint_lineage`): the resumed run is the checkpointed run, whatever base adapter the
+request names. Torch-free.
 """
 
 from __future__ import annotations
