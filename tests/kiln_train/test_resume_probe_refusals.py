@@ -350,10 +350,9 @@ def test_a_flipped_byte_anywhere_in_a_state_file_names_it(
         _refused(result, root, attach_calls, f"files[{rel!r}].sha256: manifest")
 
 
-def test_a_flipped_byte_in_the_manifest_names_it(resident, ingestion, stopped, tmp_path):
-    """Every 7th byte, two bits each, through the trainer's own resume validation: the loader or
-    the resume comparison names the manifest and the checkpoint, unless the edit kept the same JSON
-    value (`1e-08` -> `1E-08`) or touched only `created_at` (a record nothing binds)."""
+@pytest.fixture
+def validate_resume(resident, ingestion, tmp_path):
+    """The trainer's own resume validation (`SftRun._load_resume`) of a checkpoint directory."""
     from kiln_train.trainer import SftRun
     from kiln_train.trainer_support import auxiliary_state, default_checkpoint_plan, per_row_plan
 
@@ -370,9 +369,22 @@ def test_a_flipped_byte_in_the_manifest_names_it(resident, ingestion, stopped, t
     )
     _, entries = per_row_plan(resident, config, ingestion, run.plan, run.route)
     aux = auxiliary_state(resident, config, ingestion, run.route, entries)
+
+    def validate(path: Path) -> None:
+        run.config, run.aux = config, dict(aux)
+        run._load_resume(path)
+
+    return validate
+
+
+def test_a_flipped_byte_in_the_manifest_names_it(stopped, tmp_path, validate_resume):
+    """Every 7th byte, two bits each: the loader or the resume comparison names the manifest and
+    the checkpoint, unless the edit kept the same JSON value (`1e-08` -> `1E-08`) or touched only
+    `created_at` (a record nothing binds)."""
     src = ckpt_path(stopped, 6)
     copy = tmp_path / "flip" / src.name
     shutil.copytree(src, copy)
+    validate_resume(copy)  # the unedited copy resumes
     original = (src / MANIFEST).read_bytes()
     value = json.loads(original)
     unchanged = 0
@@ -388,12 +400,63 @@ def test_a_flipped_byte_in_the_manifest_names_it(resident, ingestion, stopped, t
             if isinstance(edited, dict) and {**edited, "created_at": 0} == {**value, "created_at": 0}:
                 unchanged += 1
                 continue
-            run.config, run.aux = config, dict(aux)
             with pytest.raises(CheckpointError) as info:
-                run._load_resume(copy)
+                validate_resume(copy)
             message = info.value.message
             assert MANIFEST in message and src.name in message, (pos, bit, message)
     assert unchanged < 40  # created_at digits and exponent letters only
+
+
+def _leaves(value, path=()):
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _leaves(item, (*path, key))
+    elif isinstance(value, list) and value:
+        for i, item in enumerate(value):
+            yield from _leaves(item, (*path, i))
+    else:
+        yield path, value
+
+
+def _other_values(value) -> list:
+    if isinstance(value, bool):
+        return [not value]
+    if isinstance(value, int):
+        return [value + 1, value - 1 if value > 0 else 2]
+    if isinstance(value, float):
+        return [value * 2 + 1, value + 1e-12]
+    if isinstance(value, str):
+        return [value + "x", value[:-1] + ("A" if value[-1:] != "A" else "B"), ""]
+    if value is None:
+        return [1, "x"]
+    return [[0], {}]
+
+
+def test_every_manifest_field_edited_is_refused_naming_it(stopped, tmp_path, validate_resume):
+    """Each leaf of the manifest set to other values (one edit at a time): refused, and the
+    message names that field (its key or an enclosing one). `created_at` is a record only."""
+    src = ckpt_path(stopped, 6)
+    copy = tmp_path / "edit" / src.name
+    shutil.copytree(src, copy)
+    original = json.loads((src / MANIFEST).read_text())
+    edits = 0
+    for path, value in _leaves(original):
+        if path == ("created_at",):
+            continue
+        for other in _other_values(value):
+            edited = json.loads(json.dumps(original))
+            holder = edited
+            for key in path[:-1]:
+                holder = holder[key]
+            holder[path[-1]] = other
+            (copy / MANIFEST).write_text(json.dumps(edited, indent=2))
+            with pytest.raises(CheckpointError) as info:
+                validate_resume(copy)
+            message = info.value.message
+            named = [str(k) for k in path if isinstance(k, str) and str(k) in message]
+            assert MANIFEST in message and named, (path, other, message)
+            edits += 1
+    assert edits > 300
 
 
 def test_the_newest_of_two_checkpoints_corrupt(
