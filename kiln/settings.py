@@ -231,7 +231,13 @@ def _parse_env_value(section: str, name: str, raw: str) -> Any:
     if kind == "list":
         raw = raw.strip()
         if raw.startswith("["):
-            return json.loads(raw)
+            try:
+                return json.loads(raw)
+            except ValueError as exc:
+                raise ConfigError(
+                    f"{ENV_PREFIX}{section.upper()}_{name.upper()}: not a JSON list ({exc}); write a JSON "
+                    "array of strings or comma-separated values"
+                ) from None
         return [p.strip() for p in raw.split(",") if p.strip()]
     if kind == "bool":
         low = raw.strip().lower()
@@ -270,7 +276,11 @@ def _env_overrides(environ: dict[str, str]) -> dict[tuple[str, str], tuple[Any, 
 def _toml_values(path: Path) -> dict[tuple[str, str], Any]:
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     out: dict[tuple[str, str], Any] = {}
     for section, table in data.items():

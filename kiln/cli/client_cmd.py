@@ -43,6 +43,7 @@ from kiln.cli.http_client import (
     ApiClient,
     ApiError,
     ApiUnreachable,
+    BadUrl,
     LocalFileError,
     download_archive,
     extract_archive,
@@ -95,6 +96,11 @@ def with_client(command: Callable) -> Callable:
         except ConfigError as exc:
             click.echo(f"kiln: configuration error: {exc}", err=True)
             sys.exit(EXIT_USAGE)
+        except BadUrl as exc:
+            raise click.BadParameter(f"{exc} (from --url or {URL_ENV})", param_hint="'--url'") from None
+        for key in ("job_id", "name"):
+            if key in kwargs and not str(kwargs[key]).strip():
+                raise click.BadParameter("must not be empty", param_hint=key.upper())
         with reporting_errors():
             return command(ApiClient(connection), *args, **kwargs)
 

@@ -93,11 +93,36 @@ def settings_url(host: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
+class BadUrl(ValueError):
+    """--url (or KILN_API_URL) is not an http(s) base URL."""
+
+
+def normalize_url(url: str) -> str:
+    """An api base URL as typed: `host:port` gets `http://`; only http and https are spoken."""
+    url = url.strip()
+    if not url:
+        raise BadUrl("is empty")
+    if "://" not in url:
+        url = "http://" + url
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme.lower() not in ("http", "https"):
+        raise BadUrl(f"{url!r}: only http:// and https:// URLs are supported")
+    if not parts.hostname:
+        raise BadUrl(f"{url!r} names no host")
+    try:
+        parts.port  # noqa: B018 (raises ValueError for a port that is not a number in 0..65535)
+    except ValueError as exc:
+        raise BadUrl(f"{url!r}: {exc}") from None
+    if parts.query or parts.fragment:
+        raise BadUrl(f"{url!r}: a base URL has no query or fragment")
+    return url.rstrip("/")
+
+
 def resolve_connection(url: str | None, token: str | None, config_file: str | None) -> Connection:
     """Where to send requests and with which token (module docstring). Raises ConfigError when
-    the settings are needed and cannot be loaded."""
+    the settings are needed and cannot be loaded, BadUrl for an unusable URL."""
     if url is not None:
-        return Connection(url.rstrip("/"), token or None)
+        return Connection(normalize_url(url), token or None)
     server = load_settings(config_file).settings.server
     if token is None and server.api_tokens:
         token = server.api_tokens[0]
@@ -252,21 +277,40 @@ def _reason(exc: OSError) -> str:
 def download_archive(client: ApiClient, path: str, target: Path, force: bool) -> int:
     """Save a download at `target`: written beside it, then renamed, so an error reply or a broken
     transfer leaves no file (a partial archive is never mistaken for an adapter)."""
+    if target.is_dir():
+        raise LocalFileError(f"{target} is a directory; pass a file name such as {target / 'NAME.tar.gz'}")
     if target.exists() and not force:
         raise LocalFileError(f"{target} exists; pass --force to overwrite it")
+    _check_writable_dir(target.parent, target)
     size = 0
     with client.stream(path) as chunks:
-        fd, partial = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+        try:
+            fd, partial = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+        except OSError as exc:
+            raise LocalFileError(f"cannot write {target}: {exc.strerror or exc}") from None
         try:
             with os.fdopen(fd, "wb") as sink:
                 for chunk in chunks:
                     sink.write(chunk)
                     size += len(chunk)
             os.replace(partial, target)
+        except OSError as exc:
+            Path(partial).unlink(missing_ok=True)
+            raise LocalFileError(f"cannot write {target}: {exc.strerror or exc}") from None
         except BaseException:
             Path(partial).unlink(missing_ok=True)
             raise
     return size
+
+
+def _check_writable_dir(directory: Path, target: Path) -> None:
+    """Before anything is downloaded: the directory that will hold `target` exists and is one."""
+    if not directory.exists():
+        raise LocalFileError(f"cannot write {target}: directory {directory} does not exist")
+    if not directory.is_dir():
+        raise LocalFileError(f"cannot write {target}: {directory} is not a directory")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise LocalFileError(f"cannot write {target}: directory {directory} is not writable")
 
 
 def extract_archive(client: ApiClient, path: str, name: str, directory: Path) -> tuple[Path, list[str]]:
@@ -275,15 +319,22 @@ def extract_archive(client: ApiClient, path: str, name: str, directory: Path) ->
     target = directory / name
     if target.exists():
         raise LocalFileError(f"{target} exists; remove it or choose another --extract directory")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LocalFileError(f"cannot create {directory}: {exc.strerror or exc}") from None
+    _check_writable_dir(directory, target)
     with client.stream(path) as chunks, tempfile.TemporaryFile() as archive:
         for chunk in chunks:
             archive.write(chunk)
         archive.seek(0)
-        return _unpack(archive, name, directory, target)
+        try:
+            return _unpack(archive, name, directory, target)
+        except OSError as exc:
+            raise LocalFileError(f"cannot unpack into {directory}: {exc.strerror or exc}") from None
 
 
 def _unpack(archive: BinaryIO, name: str, directory: Path, target: Path) -> tuple[Path, list[str]]:
-    directory.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".partial", dir=directory))
     try:
         with tarfile.open(fileobj=archive, mode="r:gz") as tar:

@@ -29,6 +29,9 @@ def cli(verbose: bool) -> None:
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if not verbose:
+        # Alembic announces each of its autogenerate plugins at INFO on every migration run.
+        logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
 
 
 def _register_all() -> None:

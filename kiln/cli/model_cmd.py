@@ -6,6 +6,7 @@ Torch is imported only when the command runs, so `kiln --help` stays fast.
 from __future__ import annotations
 
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -30,27 +31,41 @@ def register(cli: click.Group) -> None:
     )
     def init_tiny(out_dir: Path, preset: str, seed: int, if_missing: bool) -> None:
         """Write a complete random Qwen3.5 checkpoint (config, weights incl. mtp.*, tokenizer, template)."""
-        from kiln.cli.tokenizer_cmd import cached_tokenizer
+        from kiln.cli.tokenizer_cmd import cached_tokenizer, io_reason, is_io_error
+        from kiln_train.errors import KilnError
         from kiln_train.model_config import load_config
         from kiln_train.tiny import write_tiny_checkpoint
 
         if if_missing and (out_dir / "config.json").is_file():
-            load_config(out_dir)  # an existing directory must still be a Qwen3.5 checkpoint
+            try:
+                load_config(out_dir)  # an existing directory must still be a Qwen3.5 checkpoint
+            except (KilnError, OSError, ValueError) as exc:
+                raise click.UsageError(
+                    f"{out_dir} holds a config.json that is not a usable Qwen3.5 checkpoint "
+                    f"({getattr(exc, 'message', None) or exc}); remove the directory or choose another"
+                ) from None
             click.echo(f"{out_dir} already holds a checkpoint; nothing to do")
             return
         if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
             raise click.UsageError(f"{out_dir} already exists and is not an empty directory")
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
         # Build in a sibling staging directory and rename, so a failure leaves nothing behind.
-        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
+        staging: Path | None = None
         try:
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
             write_tiny_checkpoint(staging, preset, seed, tokenizer=cached_tokenizer())
             staging.chmod(0o755)  # mkdtemp makes it owner-only; a model directory is shared
             if out_dir.exists():
                 out_dir.rmdir()
             staging.rename(out_dir)
+        except Exception as exc:
+            if not is_io_error(exc):
+                raise
+            click.echo(f"kiln: cannot write a checkpoint to {out_dir}: {io_reason(exc)}", err=True)
+            sys.exit(2)
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
         config = load_config(out_dir)
         click.echo(
             f"wrote {preset} Qwen3.5 checkpoint to {out_dir} (seed {seed}, "

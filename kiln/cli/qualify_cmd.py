@@ -16,7 +16,7 @@ WORKLOAD_CHOICES = ("adamw-pytorch-oracle-v1",)
 
 def register(cli: click.Group) -> None:
     @cli.command("qualify")
-    @click.argument("workload", type=click.Choice(WORKLOAD_CHOICES))
+    @click.argument("workload", type=click.Choice(WORKLOAD_CHOICES), metavar="WORKLOAD")
     @click.option(
         "--device",
         type=click.Choice(["cpu", "cuda"]),

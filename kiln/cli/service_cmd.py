@@ -9,11 +9,15 @@ Torch-free at import (the `kiln` command imports every command module).
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import socket
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -78,6 +82,52 @@ def check_schema(settings: Settings) -> None:
         )
 
 
+def redact_url(url: str) -> str:
+    from kiln.settings import _redact_url
+
+    return _redact_url(url)
+
+
+@contextmanager
+def database_errors(command: str, settings: Settings) -> Iterator[None]:
+    """A job database that cannot be reached, a URL SQLAlchemy cannot use or an unknown revision:
+    one line naming the database and the reason, exit 2 (never a traceback)."""
+    from alembic.util import CommandError
+    from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+
+    try:
+        yield
+    except CommandError as exc:  # Alembic: an unknown or ambiguous revision
+        click.echo(f"kiln {command}: job database {redact_url(settings.database_url)}: {exc}", err=True)
+        sys.exit(2)
+    except (SQLAlchemyError, ArgumentError) as exc:
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        click.echo(
+            f"kiln {command}: job database {redact_url(settings.database_url)}: {reason}\n"
+            "  check database.url (KILN_DATABASE_URL) and that the database server is running",
+            err=True,
+        )
+        sys.exit(2)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse early, with one line, an address gunicorn would retry five times and then fail on."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(
+                f"{bind_address(host, port)} is already in use (another `kiln serve`?); stop it or pass "
+                "--port (server.port)"
+            ) from None
+        raise ConfigError(
+            f"cannot listen on {bind_address(host, port)}: {exc.strerror or exc} (server.host)"
+        ) from None
+
+
 def serve(settings: Settings) -> None:
     """Run the api under gunicorn (gthread workers, one app per worker process)."""
     from gunicorn.app.base import BaseApplication
@@ -114,6 +164,18 @@ def _child_exit(server, worker) -> None:
     multiprocess.mark_process_dead(worker.pid)
 
 
+def ensure_dirs_or_exit(command: str, settings: Settings) -> None:
+    try:
+        settings.ensure_dirs()
+    except OSError as exc:
+        click.echo(
+            f"kiln {command}: cannot create the storage directories under {settings.storage_root}: "
+            f"{exc.strerror or exc} (storage.root, KILN_STORAGE_ROOT)",
+            err=True,
+        )
+        sys.exit(2)
+
+
 def register_serve(cli: click.Group) -> None:
     @cli.command("serve")
     @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="Path to kiln.toml.")
@@ -145,18 +207,26 @@ def register_serve(cli: click.Group) -> None:
         settings = load_or_exit(config_file, flags).settings
         try:
             check_bind_safety(settings)
-            settings.ensure_dirs()
-            if upgrade_db:
-                from kiln.store import upgrade_database
+            ensure_dirs_or_exit("serve", settings)
+            with database_errors("serve", settings):
+                if upgrade_db:
+                    from kiln.store import upgrade_database
 
-                upgrade_database(settings.database_url)
-            check_schema(settings)
+                    upgrade_database(settings.database_url)
+                check_schema(settings)
+            check_port_free(settings.server.host, settings.server.port)
         except ConfigError as exc:
             click.echo(f"kiln serve: {exc}", err=True)
             sys.exit(2)
         # Before anything imports prometheus_client: its value class is chosen at import time.
-        os.environ[MULTIPROC_ENV] = str(metrics_dir(settings))
-        serve(settings)
+        directory, master = metrics_dir(settings), os.getpid()
+        os.environ[MULTIPROC_ENV] = str(directory)
+        try:
+            serve(settings)
+        finally:
+            # gunicorn's forked workers leave through this frame too; only the master cleans up.
+            if os.getpid() == master:
+                shutil.rmtree(directory, ignore_errors=True)
 
 
 # ----- kiln health api ----------------------------------------------------------------------
@@ -172,6 +242,8 @@ def probe(url: str, timeout: float) -> tuple[bool, str]:
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         return False, f"{url}: unreachable ({reason})"
+    except ValueError as exc:  # not an http(s) URL at all
+        return False, f"{url}: not a usable URL ({exc})"
 
 
 def register_health_api(health: click.Group) -> None:
@@ -201,10 +273,11 @@ def register_db(cli: click.Group) -> None:
         from kiln.store import current_revision, make_engine, upgrade_database
 
         settings = load_or_exit(config_file).settings
-        settings.ensure_dirs()
-        upgrade_database(settings.database_url, revision)
-        engine = make_engine(settings.database_url)
-        try:
-            click.echo(f"job database at revision {current_revision(engine)}")
-        finally:
-            engine.dispose()
+        ensure_dirs_or_exit("db upgrade", settings)
+        with database_errors("db upgrade", settings):
+            upgrade_database(settings.database_url, revision)
+            engine = make_engine(settings.database_url)
+            try:
+                click.echo(f"job database at revision {current_revision(engine)}")
+            finally:
+                engine.dispose()

@@ -9,8 +9,10 @@ conversion never reuses a stale file.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -23,6 +25,12 @@ from kiln_train.tokenizer import (
     vocabulary_file,
     write_tokenizer,
 )
+
+log = logging.getLogger(__name__)
+
+
+# What `kiln tokenizer build` writes (kiln_train.tokenizer.write_tokenizer).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def cache_root() -> Path:
@@ -41,22 +49,52 @@ def cache_key() -> str:
 
 
 def cached_tokenizer(root: Path | None = None):
-    """The converted Qwen3.5 tokenizer, built once per vocabulary and then loaded from the cache."""
+    """The converted Qwen3.5 tokenizer, built once per vocabulary and then loaded from the cache.
+    A cache that cannot be read or written (no home directory in a container, a read-only
+    filesystem) is skipped with a warning: the tokenizer is then built for this process only."""
     directory = (root or cache_root()) / cache_key()
-    if (directory / "tokenizer.json").is_file():
-        return load_tokenizer(directory)
-    tok = build_tokenizer()
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=directory.parent))
     try:
+        if (directory / "tokenizer.json").is_file():
+            return load_tokenizer(directory)
+    except OSError as exc:
+        log.warning("cannot read the tokenizer cache %s (%s); building the tokenizer", directory, exc)
+    tok = build_tokenizer()
+    staging: Path | None = None
+    try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=directory.parent))
         write_tokenizer(staging, tok)
         staging.rename(directory)  # atomic publication; a concurrent winner is fine
-    except OSError:
-        if not (directory / "tokenizer.json").is_file():
+    except Exception as exc:
+        if not is_io_error(exc):
             raise
+        if not _cached(directory):
+            log.warning(
+                "cannot write the tokenizer cache %s (%s); set XDG_CACHE_HOME to a writable directory "
+                "to build it only once",
+                directory,
+                exc,
+            )
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
     return tok
+
+
+def is_io_error(exc: BaseException) -> bool:
+    """An OSError, or the `tokenizers` library's plain Exception for a failed file write."""
+    return isinstance(exc, OSError) or (type(exc) is Exception and "os error" in str(exc))
+
+
+def io_reason(exc: BaseException) -> str:
+    return (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
+
+
+def _cached(directory: Path) -> bool:
+    try:
+        return (directory / "tokenizer.json").is_file()
+    except OSError:
+        return False
 
 
 def register(cli: click.Group) -> None:
@@ -66,10 +104,23 @@ def register(cli: click.Group) -> None:
 
     @tokenizer_group.command("build")
     @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
-    def build(out_dir: Path) -> None:
+    @click.option("--force", is_flag=True, help="Overwrite tokenizer files already in OUT_DIR.")
+    def build(out_dir: Path, force: bool) -> None:
         """Write tokenizer.json and tokenizer_config.json for Qwen3.5 into OUT_DIR."""
+        existing = [out_dir / name for name in TOKENIZER_FILES if (out_dir / name).exists()]
+        if existing and not force:
+            raise click.UsageError(
+                f"{', '.join(str(p) for p in existing)} already exist(s); pass --force to overwrite "
+                "(a model directory's own tokenizer is not replaced by accident)"
+            )
         tok = build_tokenizer()
-        paths = write_tokenizer(out_dir, tok)
+        try:
+            paths = write_tokenizer(out_dir, tok)
+        except Exception as exc:
+            if not is_io_error(exc):
+                raise
+            click.echo(f"kiln: cannot write the tokenizer into {out_dir}: {io_reason(exc)}", err=True)
+            sys.exit(2)
         for path in paths:
             click.echo(f"wrote {path} ({path.stat().st_size} bytes)")
         click.echo(f"vocab size {tok.get_vocab_size()} (BPE {tok.get_vocab_size(with_added_tokens=False)})")

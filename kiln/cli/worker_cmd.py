@@ -12,7 +12,7 @@ import time
 import click
 
 from kiln.cli.config_cmd import load_or_exit
-from kiln.cli.service_cmd import check_schema, health_group
+from kiln.cli.service_cmd import check_schema, database_errors, ensure_dirs_or_exit, health_group
 from kiln.settings import ConfigError
 
 
@@ -35,13 +35,14 @@ def register_worker(cli: click.Group) -> None:
         """Run the resident training worker: one process, one device, one job at a time."""
         loaded = load_or_exit(config_file, cli={"model.path": model_path, "model.device": device})
         settings = loaded.settings
-        settings.ensure_dirs()
-        if upgrade_db:
-            from kiln.store import upgrade_database
-
-            upgrade_database(settings.database_url)
+        ensure_dirs_or_exit("worker", settings)
         try:
-            check_schema(settings)
+            with database_errors("worker", settings):
+                if upgrade_db:
+                    from kiln.store import upgrade_database
+
+                    upgrade_database(settings.database_url)
+                check_schema(settings)
         except ConfigError as exc:
             click.echo(f"kiln worker: {exc}", err=True)
             sys.exit(2)
@@ -51,6 +52,7 @@ def register_worker(cli: click.Group) -> None:
 def run_worker(settings) -> None:
     from celery import signals
 
+    from kiln_train.errors import KilnError
     from kiln_train.memory import apply_cpu_allocator_policy
     from kiln_train.resident import load_resident
     from kiln_train.trainer_support import warm_up
@@ -65,15 +67,26 @@ def run_worker(settings) -> None:
             err=True,
         )
         sys.exit(2)
+    device_problem = missing_device(settings.model.device)
+    if device_problem:
+        click.echo(f"kiln worker: model.device is {settings.model.device}, but {device_problem}", err=True)
+        sys.exit(2)
     click.echo(f"loading {settings.model_path} on {settings.model.device} ...")
     t0 = time.perf_counter()
     if settings.model.device == "cpu":
         apply_cpu_allocator_policy()  # freed tensors go back to the OS: what the cpu estimate assumes
-    resident = load_resident(
-        settings.model_path,
-        device=settings.model.device,
-        server_config={"memory": settings.memory.model_dump(mode="json")},
-    )
+    try:
+        resident = load_resident(
+            settings.model_path,
+            device=settings.model.device,
+            server_config={"memory": settings.memory.model_dump(mode="json")},
+        )
+    except (KilnError, OSError) as exc:
+        # A directory that is not a complete Qwen3.5 checkpoint (no tokenizer.json, a foreign
+        # config.json, unreadable weights) or a device that is not there.
+        reason = getattr(exc, "message", None) or (exc.strerror if isinstance(exc, OSError) else None) or exc
+        click.echo(f"kiln worker: cannot load the model at {settings.model_path}: {reason}", err=True)
+        sys.exit(2)
     warm_up(resident)
     click.echo(
         f"model resident in {time.perf_counter() - t0:.1f}s; identity {resident.execution_identity_digest}"
@@ -101,6 +114,24 @@ def run_worker(settings) -> None:
         )
     finally:
         runtime.stop()
+
+
+def missing_device(device: str) -> str | None:
+    """Why `device` cannot be used by this process's torch, or None when it can."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        build = "without CUDA" if torch.version.cuda is None else f"with CUDA {torch.version.cuda}"
+        return (
+            f"torch {torch.__version__} (built {build}) sees no CUDA device; use --device cpu "
+            "(KILN_MODEL_DEVICE=cpu) or run the worker where a GPU is visible"
+        )
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        return f"only {torch.cuda.device_count()} CUDA device(s) are visible (cuda:0..)"
+    return None
 
 
 def register_health_worker(health: click.Group) -> None:
