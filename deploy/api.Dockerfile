@@ -8,8 +8,10 @@ COPY kiln_train ./kiln_train
 COPY api ./api
 COPY worker ./worker
 COPY migrations ./migrations
-RUN pip install . && useradd --system --uid 10001 kiln && mkdir -p /var/lib/kiln /var/lib/flower \
-    && chown kiln /var/lib/kiln /var/lib/flower
+# /models belongs to kiln here too: whichever container mounts the empty `models` volume first
+# gives it its mount point's owner, and the CPU worker writes its tiny model there.
+RUN pip install . && useradd --system --create-home --uid 10001 kiln \
+    && mkdir -p /var/lib/kiln /var/lib/flower /models && chown kiln /var/lib/kiln /var/lib/flower /models
 USER kiln
 EXPOSE 8420 5555
 CMD ["kiln", "serve"]

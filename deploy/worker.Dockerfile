@@ -12,7 +12,10 @@ COPY kiln_train ./kiln_train
 COPY api ./api
 COPY worker ./worker
 COPY migrations ./migrations
-RUN pip install ".[${KILN_EXTRAS}]" && useradd --system --uid 10001 kiln && mkdir -p /var/lib/kiln \
-    && chown kiln /var/lib/kiln
+# A home directory (the tokenizer cache of `kiln model init-tiny`, Triton's kernel cache) and the
+# mount points owned by kiln: an empty named volume takes the ownership of its mount point, so
+# the `models` volume stays writable for the CPU override's `kiln model init-tiny`.
+RUN pip install ".[${KILN_EXTRAS}]" && useradd --system --create-home --uid 10001 kiln \
+    && mkdir -p /var/lib/kiln /models && chown kiln /var/lib/kiln /models
 USER kiln
 CMD ["kiln", "worker"]
