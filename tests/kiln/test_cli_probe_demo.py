@@ -193,3 +193,36 @@ def test_sigterm_and_sigkill_leave_no_process_and_no_job_ahead_of_the_next_run(t
     assert states[killed[0][0]] == ("failed", "cancelled")
     assert states[name] == ("completed", None)
     assert_nothing_left(root)
+
+
+def test_scripts_demo_from_another_directory_resolves_paths_there(tmp_path):
+    """`scripts/demo` as the README runs it, but from outside the checkout: --root and --data are
+    the caller's relative paths, not the checkout's."""
+    repo = Path(__file__).resolve().parents[2]
+    rows = (repo / "examples" / "demo.jsonl").read_text(encoding="utf-8").splitlines()[:4]
+    (tmp_path / "mine.jsonl").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    done = subprocess.run(
+        [
+            str(repo / "scripts" / "demo"),
+            "--root",
+            "state",
+            "--data",
+            "mine.jsonl",
+            "--preset",
+            "tiny",
+            "--epochs",
+            "1",
+        ],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert "rows             4 kept, 0 rejected" in output
+    match = FINISHED.search(output)
+    assert match and Path(match["path"]).parent == tmp_path / "state" / "adapters", output[-2000:]
+    assert (Path(match["path"]) / "adapter_model.safetensors").is_file()
+    assert_nothing_left(tmp_path / "state")
