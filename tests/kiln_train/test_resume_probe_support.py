@@ -42,6 +42,9 @@ VOLATILE_RECEIPT = {
     "runtime.peak_memory_bytes",
     "adapters.output.path",
     "adapters.base.path",
+    # The working copy's git state as each process saw it (others may commit meanwhile).
+    "kiln.git_commit",
+    "kiln.git_dirty",
 }
 # Checkpoint-manifest members that name where the run's registry was (straight and chained runs
 # train in different registries): the warm-start adapter's directory.
@@ -140,7 +143,7 @@ def assert_same_run(
     assert [p for p in json_diff(r1, r2) if p not in VOLATILE_RECEIPT] == []
     a1 = read_json(final.adapter_path / "adapter_manifest.json")
     a2 = read_json(ref.adapter_path / "adapter_manifest.json")
-    assert [p for p in json_diff(a1, a2) if p != "receipt_hash"] == []
+    assert [p for p in json_diff(a1, a2) if p not in ("receipt_hash", "kiln_commit")] == []
 
 
 # ----- fresh-process legs ------------------------------------------------------------------------
