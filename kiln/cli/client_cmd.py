@@ -131,6 +131,9 @@ def reporting_errors() -> Iterator[None]:
     except LocalFileError as exc:
         click.echo(f"kiln: {exc}", err=True)
         sys.exit(EXIT_USAGE)
+    except KeyboardInterrupt:
+        click.echo("\nkiln: interrupted", err=True)
+        sys.exit(EXIT_INTERRUPTED)
 
 
 def report_api_error(err: ApiError) -> None:
@@ -229,6 +232,18 @@ def register_train(train: click.Group) -> None:
         except ApiError as err:
             annotate_rows(err, lines, Path(data))
             raise
+        except KeyboardInterrupt:
+            click.echo(
+                "\nkiln: interrupted before the server answered; the job may still have been admitted: "
+                "see `kiln jobs list`"
+                + (
+                    " (resubmitting with the same --idempotency-key never admits it twice)"
+                    if idempotency_key
+                    else ""
+                ),
+                err=True,
+            )
+            sys.exit(EXIT_INTERRUPTED)
         admission = reply.body
         if not as_json:
             replayed = reply.headers.get(REPLAY_HEADER) == "true"

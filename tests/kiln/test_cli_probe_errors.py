@@ -9,7 +9,12 @@ fault, and that click saw a clean `SystemExit` rather than an escaping exception
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -263,3 +268,44 @@ def test_an_unwritable_tokenizer_cache_builds_without_caching(tmp_path, qwen_tok
     tok = tokenizer_cmd.cached_tokenizer(root=tmp_path / "afile" / "cache")
     assert tok is qwen_tokenizer
     assert "cannot write the tokenizer cache" in caplog.text
+
+
+# ----- Ctrl-C while the api has not answered ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["jobs", "list"], "kiln: interrupted"),
+        (
+            ["train", "sft", "--data", "rows.jsonl"],
+            "the job may still have been admitted: see `kiln jobs list`",
+        ),
+    ],
+)
+def test_ctrl_c_before_the_answer_exits_130_without_a_traceback(tmp_path, args, needle):
+    (tmp_path / "rows.jsonl").write_text(
+        json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
+        + "\n"
+    )
+    with socket.socket() as silent:  # accepts connections, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kiln.cli.main", *args, "--url", url],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        conn, _ = silent.accept()  # the request is on its way
+        with conn:
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, (out, err)
+    assert needle in err
+    assert "Traceback" not in err and "Aborted!" not in err
