@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
 from pathlib import Path, PurePosixPath
 
 import pytest
+import yaml
+from sqlalchemy.engine import make_url
 
 from kiln.settings import load_settings
 from tests.deploy.test_compose import COMPOSE, CPU_OVERRIDE, ROOT, render
@@ -145,3 +149,48 @@ def test_flower_without_basic_auth_listens_on_loopback_only():
     authenticated = flower_options({"FLOWER_BASIC_AUTH": "admin:secret"})
     assert authenticated["address"] == "0.0.0.0"  # inside the container, published on 127.0.0.1
     assert authenticated["read_only"] is True
+
+
+def test_a_password_of_the_documented_characters_survives_the_database_url(tmp_path):
+    """.env.example: POSTGRES_PASSWORD of letters, digits, '-', '_' and '.' reaches every service's
+    database URL intact (the URL is built by interpolation, without escaping)."""
+    password = "Ab-9_x.Y"
+    env_file = tmp_path / ".env"
+    env_file.write_text(
+        (ROOT / ".env.example")
+        .read_text()
+        .replace("POSTGRES_PASSWORD=change-me", f"POSTGRES_PASSWORD={password}")
+    )
+    done = subprocess.run(
+        [
+            shutil.which("docker-compose"),
+            "--env-file",
+            str(env_file),
+            "-f",
+            str(COMPOSE),
+            "-f",
+            str(CPU_OVERRIDE),
+            "config",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    rendered = yaml.safe_load(done.stdout)["services"]
+    urls = [
+        s["environment"]["KILN_DATABASE_URL"]
+        for s in rendered.values()
+        if "KILN_DATABASE_URL" in s.get("environment", {})
+    ]
+    assert len(urls) >= 3  # migrate, api, worker-cpu (the GPU worker is parked behind its profile)
+    for url in urls:
+        parsed = make_url(url)
+        assert (parsed.username, parsed.password, parsed.host, parsed.database) == (
+            "kiln",
+            password,
+            "postgres",
+            "kiln",
+        )
+    assert rendered["postgres"]["environment"]["POSTGRES_PASSWORD"] == password
