@@ -150,8 +150,9 @@ class Reconciler:
 
     def _resumable(self, lost: LostJob) -> tuple[str, list[Path]] | None:
         """The job's newest recorded checkpoint that still validates on disk, and the newer ones
-        its worker published but did not live to record: the resumed run publishes those names
-        again (and records their steps), so they are withdrawn once the job is requeued."""
+        its worker published but did not live to record or that no longer validate (damaged on
+        disk): the resumed run publishes those names again (and records their steps), so they
+        are withdrawn once the job is requeued and their rows are dropped."""
         rt = self.runtime
         with rt.factory.begin() as s:
             recorded = {c.basename: c.manifest_sha256 for c in store.list_checkpoints(s, lost.job_id)}
@@ -166,9 +167,12 @@ class Reconciler:
                 loaded = ckpt.load_checkpoint(path, verify_hashes=True)
             except Exception as exc:
                 log.warning("checkpoint %s of job %s is not resumable: %s", basename, lost.job_id, exc)
+                unrecorded.append(path)  # newer than the resume point: the resumed run rewrites it
                 continue
             if loaded.manifest_sha256 == _bare(recorded[basename]):
                 return basename, unrecorded
+            log.warning("checkpoint %s of job %s is not the one recorded", basename, lost.job_id)
+            unrecorded.append(path)
         return None
 
     def _withdraw_unrecorded(self, job_id: str, paths: list[Path]) -> None:

@@ -304,11 +304,38 @@ def register(cli: click.Group) -> None:
 
 def run_demo(root: Path, data: Path, preset: str, epochs: int) -> int:
     """The demo itself; an Interrupted raised anywhere in it still stops what it started."""
-    from kiln.store import upgrade_database
-
     root = root.resolve()
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    with _root_lock(root):
+        return _run_demo_locked(root, logs, data, preset, epochs)
+
+
+@contextlib.contextmanager
+def _root_lock(root: Path) -> Iterator[None]:
+    """One demo per root at a time (they would share one SQLite store and broker, and each would
+    take the other's job for a leftover); the kernel drops the lock when the holder dies."""
+    import fcntl
+
+    with open(root / "demo.lock", "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            raise click.ClickException(
+                f"another demo is running in {root} ({holder}); wait for it to finish or pass --root DIR"
+            ) from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"pid {os.getpid()}\n")
+        lock.flush()
+        yield
+
+
+def _run_demo_locked(root: Path, logs: Path, data: Path, preset: str, epochs: int) -> int:
+    from kiln.store import upgrade_database
+
     model_dir = root / "models" / f"kiln-{preset}"
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}

@@ -20,7 +20,7 @@ from kiln.store.artifacts import get_checkpoint, register_adapter
 from kiln.store.errors import InvalidTransition
 from kiln.store.events import append_event
 from kiln.store.jobs import get_job
-from kiln.store.models import Job, Runner, TrainingStep, utcnow
+from kiln.store.models import Checkpoint, Job, Runner, TrainingStep, utcnow
 
 
 def unpublished_jobs(session: Session, older_than: datetime) -> list[Job]:
@@ -66,8 +66,8 @@ def expired_leases(
 
 def requeue_for_resume(session: Session, job_id: str, checkpoint: str, now: datetime | None = None) -> Job:
     """Put a job whose lease expired back in the queue, to resume from `checkpoint` (a basename
-    from the job's `checkpoints` rows). Steps recorded after that checkpoint are dropped (the
-    resumed run records them again); the job gets a new place at the back of the queue and is
+    from the job's `checkpoints` rows). Steps and checkpoints recorded after that checkpoint are
+    dropped (the resumed run records them again); the job gets a new place at the back of the queue and is
     unpublished until the reconciler republishes it. A job with a cancel request is not
     resumed (fail it with `fail_worker_lost`)."""
     now = now or utcnow()
@@ -102,6 +102,11 @@ def requeue_for_resume(session: Session, job_id: str, checkpoint: str, now: date
     session.execute(
         delete(TrainingStep)
         .where(TrainingStep.job_id == job_id, TrainingStep.global_step > row.global_step)
+        .execution_options(synchronize_session=False)
+    )
+    session.execute(
+        delete(Checkpoint)
+        .where(Checkpoint.job_id == job_id, Checkpoint.global_step > row.global_step)
         .execution_options(synchronize_session=False)
     )
     job = get_job(session, job_id, include_deleted=True)

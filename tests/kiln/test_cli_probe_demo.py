@@ -148,6 +148,11 @@ def test_ctrl_c_cancels_the_job_stops_everything_and_the_next_run_is_clean(tmp_p
     log = tmp_path / "interrupted.log"
     proc = start_demo(root, log)
     wait_for_training(proc, log)
+    # A second demo in the same root (another terminal) is refused and leaves the first alone.
+    second = subprocess.run(demo_command(root), env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert second.returncode == 1, second.stdout + second.stderr
+    assert f"another demo is running in {root} (pid {proc.pid})" in second.stderr
+    assert proc.poll() is None
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the foreground group
     assert proc.wait(timeout=120) == 130, log.read_text()[-4000:]
     text = log.read_text()

@@ -305,6 +305,55 @@ def test_killed_between_publishing_and_recording_a_checkpoint_resumes_cleanly(
     assert step4 in checkpoint_names(settings, name)
 
 
+def test_a_recorded_checkpoint_damaged_on_disk_is_skipped_and_rewritten_on_resume(
+    client, runtime, sessions, settings
+):
+    """The newest recorded checkpoint no longer validates (a flipped byte): the job resumes from
+    the one before it, the damaged one is withdrawn with its row, and the resumed run writes and
+    records that step again instead of failing on the taken name."""
+    name = unique_name("ckrot")
+    job_id = submit(client, sft_body(3, epochs=3, checkpoint_interval=2, seed=5, output_name=name))
+    original = runtime._on_step
+
+    def on_step(jid, report):
+        original(jid, report)
+        if report.global_step == 5:
+            raise Killed
+
+    runtime._on_step = on_step
+    with pytest.raises(Killed):
+        runtime.run_job(job_id)
+    runtime._on_step = original
+    step4 = f"{name}-checkpoint-step-00000004.kiln-checkpoint"
+    with sessions() as s:
+        assert [c.global_step for c in store.list_checkpoints(s, job_id)] == [2, 4]
+    adapter_file = settings.adapters_dir / step4 / "adapter.safetensors"
+    data = bytearray(adapter_file.read_bytes())
+    data[-1] ^= 0x01
+    adapter_file.write_bytes(bytes(data))
+    expire_lease(sessions, job_id)
+    assert runtime.reconciler.run_once()["resumed"] == 1
+    job = job_row(sessions, job_id)
+    assert job.state == states.QUEUED
+    assert (
+        job.resume_checkpoint == f"{name}-checkpoint-step-00000002.kiln-checkpoint" and job.global_step == 2
+    )
+    assert step4 not in checkpoint_names(settings, name)
+    with sessions() as s:
+        assert [c.global_step for c in store.list_checkpoints(s, job_id)] == [2]
+    assert runtime.run_job(job_id) == "completed"
+    job = job_row(sessions, job_id)
+    assert job.state == states.COMPLETED and job.global_step == 9
+    assert steps(sessions, job_id) == list(range(1, 10))
+    with sessions() as s:
+        recorded = store.list_checkpoints(s, job_id)
+        assert [c.global_step for c in recorded] == [2, 4, 6, 8]
+    from kiln_train import checkpoint as ckpt
+
+    rewritten = ckpt.load_checkpoint(settings.adapters_dir / step4, verify_hashes=True)
+    assert "sha256:" + rewritten.manifest_sha256.removeprefix("sha256:") == recorded[1].manifest_sha256
+
+
 def test_killed_after_publishing_the_adapter_completes_from_it(client, runtime, sessions, settings):
     """The adapter was published under its final name, then the worker died before recording it:
     the job used to fail `worker_lost` and leave an unregistered adapter holding the name."""
