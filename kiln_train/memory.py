@@ -30,6 +30,7 @@ from kiln_train.memory_formulas import (
 )  # re-exported: the api's route gate
 from kiln_train.memory_formulas import F32, boundary_bytes, loss_workspace_bytes, segment_activation_bytes
 from kiln_train.model_config import Qwen35Config
+from kiln_train.optimizer_support import rank_range
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -265,13 +266,31 @@ def plan_segments(
         breakdown = estimate(config, num_segments=s, **common)
         if breakdown.fits(available_bytes):
             return SegmentPlan(s, breakdown, available_bytes)
-    ceiling = max_rank_that_fits(
+    ceiling = admissible_rank_ceiling(
         config,
-        available_bytes=available_bytes,
-        requested_segments=requested_segments,
-        **{k: v for k, v in common.items() if k != "lora_rank"},
+        max_rank_that_fits(
+            config,
+            available_bytes=available_bytes,
+            requested_segments=requested_segments,
+            **{k: v for k, v in common.items() if k != "lora_rank"},
+        ),
+        optimizer_kind=optimizer_kind,
+        backend=backend,
     )
     raise will_not_fit(breakdown, available_bytes, rank_ceiling=ceiling, tried=counts)
+
+
+def admissible_rank_ceiling(
+    config: Qwen35Config, resource_ceiling: int, *, optimizer_kind: str, backend: Backend
+) -> int:
+    """The rank the 413 may advise: the memory ceiling clamped to the optimizer tuple's static range.
+
+    A rank above the backend's ceiling (CUDA Muon: 48) or below the optimizer's minimum (Muon: 2)
+    would be rejected with 400 before memory is even priced, so it is never advised; 0 = none.
+    """
+    ranks = rank_range(backend, config, optimizer_kind)
+    ceiling = min(resource_ceiling, ranks["maximum"])
+    return ceiling if ceiling >= ranks["minimum"] else 0
 
 
 def max_rank_that_fits(
