@@ -194,3 +194,18 @@ def test_a_password_of_the_documented_characters_survives_the_database_url(tmp_p
             "kiln",
         )
     assert rendered["postgres"]["environment"]["POSTGRES_PASSWORD"] == password
+
+
+def test_dockerignore_keeps_the_context_small_and_every_copied_path():
+    patterns = [
+        line.strip().rstrip("/")
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert {".venv", ".git", ".kiln-demo", ".env"} <= set(patterns)
+    for name in ("api.Dockerfile", "worker.Dockerfile"):
+        for line in (ROOT / "deploy" / name).read_text().splitlines():
+            if line.startswith("COPY "):
+                for src in line.split()[1:-1]:
+                    top = src.rstrip("/").split("/")[0]
+                    assert top not in patterns and src not in patterns, (name, src)
