@@ -24,6 +24,9 @@ from torch import Tensor
 
 from kiln_train.optim.base import Optimizer, upcast, write_back
 from kiln_train.optim.state import ADAMW_FIELDS
+from kiln_train.sft_config import f32_round
+
+F32_SMALLEST_SUBNORMAL = 2.0**-149
 
 
 class AdamW(Optimizer):
@@ -44,6 +47,11 @@ class AdamW(Optimizer):
         self.beta1 = float(beta1)
         self.beta2 = float(beta2)
         self.eps = float(eps)
+        # The f32 lane adds eps as an f32 scalar: an eps below f32's smallest subnormal (the
+        # contract admits any finite eps > 0) would round to 0 and turn a zero gradient's
+        # 0 / (0 + 0) into NaN. It is floored at the smallest positive f32 instead; any eps f32
+        # can represent is used exactly as given.
+        self._lane_eps = self.eps if f32_round(self.eps) > 0.0 else F32_SMALLEST_SUBNORMAL
         self.weight_decay = float(weight_decay)
 
     def _update(self, name: str, param: Tensor, grad: Tensor) -> None:
@@ -58,7 +66,7 @@ class AdamW(Optimizer):
         bias_correction1 = 1 - self.beta1**step
         bias_correction2 = 1 - self.beta2**step
         step_size = self.lr / bias_correction1
-        denom = (v.sqrt() / bias_correction2**0.5).add_(self.eps)
+        denom = (v.sqrt() / bias_correction2**0.5).add_(self._lane_eps)
         p.addcdiv_(m, denom, value=-step_size)
         write_back(param, p)
         write_back(state["m"], m)

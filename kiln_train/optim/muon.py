@@ -49,7 +49,14 @@ def newton_schulz(u: Tensor, iters: int) -> Tensor:
     a, b, c = NS_COEFFICIENTS
     transposed = u.shape[0] > u.shape[1]
     x = u.T if transposed else u
-    x = x / (torch.linalg.matrix_norm(x) + NS_NORM_EPS)
+    # `x / (||x||_F + eps)`, computed on `x` pre-scaled by a power of two near its largest
+    # magnitude: ||x||_F squares every element, which overflows f32 (an infinite norm, a silently
+    # zero update) once ||x|| > ~1.8e19 and underflows for tiny gradients. Scaling by a power of two
+    # is exact, so for ordinary magnitudes the result is bit-identical to the unscaled formula.
+    _, exponent = torch.frexp(x.abs().amax())
+    scale = torch.ldexp(torch.ones((), dtype=x.dtype, device=x.device), exponent - 1)
+    x = x / scale
+    x = x / (torch.linalg.matrix_norm(x) + NS_NORM_EPS / scale)
     for _ in range(iters):
         gram = x @ x.T
         poly = b * gram + c * (gram @ gram)
