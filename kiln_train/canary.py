@@ -1,7 +1,8 @@
 """Adapter canaries (`adapter_smoke_test`, kiln-contract §4.4).
 
 For each prompt (raw text, no chat template): last-position logits of the base model and of the
-model with the adapter, then a short greedy generation with and without the adapter. Runs under
+model with the adapter, then a short greedy generation with and without the adapter (output ends
+before the first end-of-sequence token, so a model that stops at once has empty output). Runs under
 `torch.inference_mode()`, outside any training scope.
 """
 
@@ -34,6 +35,26 @@ def lora_disabled(model: torch.nn.Module):
             module.set_lora(a, b, scale)
 
 
+# End-of-sequence tokens of the Qwen chat vocabulary; generation stops at the first one.
+STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+
+
+def stop_token_ids(model, tokenizer) -> frozenset[int]:
+    """Token ids that end a greedy generation: the model's `eos_token_id` and the tokenizer's
+    end-of-turn / end-of-text specials (whichever exist)."""
+    ids: set[int] = set()
+    eos = getattr(getattr(model, "config", None), "eos_token_id", None)
+    if isinstance(eos, int) and not isinstance(eos, bool):
+        ids.add(eos)
+    lookup = getattr(tokenizer, "token_to_id", None)
+    if callable(lookup):
+        for token in STOP_TOKENS:
+            tid = lookup(token)
+            if isinstance(tid, int):
+                ids.add(tid)
+    return frozenset(ids)
+
+
 def _greedy(model, ids: list[int], n: int) -> tuple[list[int], float]:
     t0 = time.perf_counter()
     out = list(ids)
@@ -42,6 +63,14 @@ def _greedy(model, ids: list[int], n: int) -> tuple[list[int], float]:
         logits = model.logits(torch.tensor([out], device=device))[0, -1]
         out.append(int(torch.argmax(logits.float())))
     return out[len(ids) :], (time.perf_counter() - t0) * 1000.0
+
+
+def until_stop(tokens: list[int], stop: frozenset[int]) -> list[int]:
+    """The generated tokens before the first end-of-sequence token (which is not output)."""
+    for i, token in enumerate(tokens):
+        if token in stop:
+            return tokens[:i]
+    return tokens
 
 
 def _outcome(finite: bool, delta: float | None, text_changed: bool, adapter_text: str) -> tuple[str, str]:
@@ -77,6 +106,7 @@ def _smoke(model, tokenizer, prompts: list[str]) -> dict:
     if not prompts:
         warnings.append("no prompts")
     device = next(iter(model.buffers())).device
+    stop = stop_token_ids(model, tokenizer)
     with torch.inference_mode():
         for prompt in prompts:
             ids = tokenizer.encode(prompt, add_special_tokens=False).ids or [0]
@@ -84,8 +114,10 @@ def _smoke(model, tokenizer, prompts: list[str]) -> dict:
             with lora_disabled(model):
                 base_logits = model.logits(x)[0, -1].double()
                 base_ids, base_ms = _greedy(model, ids, NEW_TOKENS)
+                base_ids = until_stop(base_ids, stop)
             adapter_logits = model.logits(x)[0, -1].double()
             adapter_ids, adapter_ms = _greedy(model, ids, NEW_TOKENS)
+            adapter_ids = until_stop(adapter_ids, stop)
             finite = bool(torch.isfinite(base_logits).all() and torch.isfinite(adapter_logits).all())
             delta = float((adapter_logits - base_logits).norm()) if finite else None
             base_text = tokenizer.decode(base_ids, skip_special_tokens=False)
