@@ -66,7 +66,7 @@ def _check_shape(smoke: dict, prompts: list[str]) -> None:
     for p, d in zip(smoke["prompts"], smoke["prompt_diagnostics"], strict=True):
         assert set(p) == PROMPT_KEYS
         assert d["outcome"] in OUTCOMES and d["explanation"]
-        assert p["adapter_output_tokens"] == canary.NEW_TOKENS
+        assert 0 <= p["adapter_output_tokens"] <= canary.NEW_TOKENS  # generation stops at end of sequence
         assert p["adapter_output_chars"] == len(p["adapter_output"])
         assert p["base_generation_ms"] >= 0 and p["adapter_generation_ms"] >= 0
 
