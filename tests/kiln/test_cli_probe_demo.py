@@ -27,19 +27,9 @@ RUN_TIMEOUT_S = 300  # the README's bound for the full demo on this machine
 FINISHED = re.compile(r"^demo finished: adapter in (?P<path>\S+)$", re.M)
 
 
-def demo_command(root: Path) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "kiln.cli.main",
-        "demo",
-        "--root",
-        str(root),
-        "--preset",
-        "tiny",
-        "--epochs",
-        "1",
-    ]
+def demo_command(root: Path, epochs: int = 1) -> list[str]:
+    args = ["demo", "--root", str(root), "--preset", "tiny", "--epochs", str(epochs)]
+    return [sys.executable, "-m", "kiln.cli.main", *args]
 
 
 def clean_env() -> dict[str, str]:
@@ -57,17 +47,26 @@ def run_demo(root: Path) -> tuple[str, float]:
     return output, elapsed
 
 
+# Runs that get interrupted train 3 epochs (90 steps), so the job is surely still running when the
+# signal lands (the client logs its progress only every few seconds when not on a terminal).
+INTERRUPTED_EPOCHS = 3
+
+
 def start_demo(root: Path, log: Path) -> subprocess.Popen:
     with open(log, "wb") as out:
         return subprocess.Popen(
-            demo_command(root), env=clean_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            demo_command(root, INTERRUPTED_EPOCHS),
+            env=clean_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
 
 def wait_for_training(proc: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while time.monotonic() < deadline:
-        if re.search(r"step [1-9]\d*/30", log.read_text(errors="replace")):
+        if re.search(r"step [1-9]\d*/90", log.read_text(errors="replace")):
             return
         assert proc.poll() is None, log.read_text(errors="replace")[-4000:]
         time.sleep(0.3)
@@ -157,7 +156,7 @@ def test_ctrl_c_cancels_the_job_stops_everything_and_the_next_run_is_clean(tmp_p
     assert proc.wait(timeout=120) == 130, log.read_text()[-4000:]
     text = log.read_text()
     assert "interrupted (SIGINT): cancelling the demo job" in text
-    assert re.search(r"cancelled job \S+ at step \d+/30", text), text[-3000:]
+    assert re.search(r"cancelled job \S+ at step \d+/90", text), text[-3000:]
     assert "demo interrupted (SIGINT); nothing it started is left running" in text
     assert "Traceback" not in text and "Aborted!" not in text
     assert "keeps going on the server" not in text  # the submitting child never saw the Ctrl-C
@@ -189,7 +188,11 @@ def test_sigterm_and_sigkill_leave_no_process_and_no_job_ahead_of_the_next_run(t
     proc.wait(timeout=30)
     assert_nothing_left(root, within_s=90)
     killed = [row for row in jobs(root) if row[1] not in ("completed", "failed")]
-    assert len(killed) == 1, jobs(root)
+    assert len(killed) == 1, (
+        jobs(root),
+        log.read_text()[-3000:],
+        (root / "logs" / "worker.log").read_text()[-5000:],
+    )
 
     output, _ = run_demo(root)
     name = assert_finished_with_receipt(output, root)
