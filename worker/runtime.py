@@ -187,7 +187,7 @@ class WorkerRuntime:
     # ----- one job -------------------------------------------------------------------------
     def run_job(self, job_id: str) -> str:
         """Handle one doorbell; returns what happened to `job_id` (`dropped`, `completed`, `failed`,
-        `requeued`).
+        `requeued`, or `deferred`: not claimed because this worker is shutting down).
 
         Messages can leave the api out of admission order (concurrent admissions publish after
         their commits), so a doorbell first runs every older queued job: execution follows
@@ -198,6 +198,10 @@ class WorkerRuntime:
             if older is None:
                 break
             self._run_one(older)
+        if self.shutdown.is_set():
+            # A worker on its way out claims nothing: the doorbell goes back to the broker for
+            # another worker (or this one after its restart) instead of one step and a release.
+            return "deferred"
         return self._run_one(job_id)
 
     def _oldest_queued_before(self, job_id: str) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from celery.exceptions import Reject
 from sqlalchemy import exc as sa_exc
 
 from worker.celery_app import TRAIN_SFT_TASK, celery_app
@@ -26,6 +27,10 @@ def train_sft_task(self, job_id: str) -> str:
     if _RUNTIME is None:
         raise RuntimeError("no resident runtime in this process; start workers with `kiln worker`")
     try:
-        return _RUNTIME.run_job(job_id)
+        outcome = _RUNTIME.run_job(job_id)
     except STORE_DOWN_ERRORS as exc:
         raise self.retry(exc=exc, countdown=STORE_DOWN_RETRY_SECONDS) from exc
+    if outcome == "deferred":
+        # Shutting down: hand the message back unacknowledged for the next worker to take.
+        raise Reject(f"worker shutting down; job {job_id} left queued", requeue=True)
+    return outcome

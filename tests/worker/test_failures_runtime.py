@@ -178,6 +178,30 @@ def test_store_down_at_dequeue_rings_the_doorbell_again(client, runtime, session
     assert job.state == states.COMPLETED and job.attempts == 1
 
 
+def test_a_doorbell_during_shutdown_is_handed_back_unclaimed(client, runtime, sessions):
+    """A worker in warm shutdown used to claim the next doorbell (often the job it had just
+    released), run one step, checkpoint and release it again."""
+    from celery.exceptions import Reject
+
+    from worker.tasks import install_runtime, train_sft_task
+
+    job_id = submit(client, sft_body(1, output_name=unique_name("shut")))
+    runtime.shutdown.set()
+    assert runtime.run_job(job_id) == "deferred"
+    install_runtime(runtime)
+    try:
+        with pytest.raises(Reject) as rejected:
+            train_sft_task.run(job_id)
+    finally:
+        install_runtime(None)
+    assert rejected.value.requeue is True
+    job = job_row(sessions, job_id)
+    assert job.state == states.QUEUED and job.attempts == 0 and job.worker_id is None
+    assert steps(sessions, job_id) == []
+    runtime.shutdown.clear()
+    assert runtime.run_job(job_id) == "completed"
+
+
 def test_a_claim_whose_commit_answer_was_lost_is_run_not_stranded(client, runtime, sessions, flaky):
     """The claim committed but the connection dropped before the answer: a retry finds the job
     `running` under this very worker. Dropping the message then would strand it until the lease
