@@ -15,9 +15,6 @@ process (`python -m tests.kiln_train.trainer_fixtures resume`), with the same to
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -101,17 +98,7 @@ def runs(resident, tiny_dir, tmp_path_factory):
                 )
     jobs_file = base / "jobs.json"
     jobs_file.write_text(json.dumps(jobs))
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.kiln_train.trainer_fixtures", "resume", str(jobs_file)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    resumed = json.loads(proc.stdout.strip().splitlines()[-1])
+    resumed = fx.run_in_fresh_process("tests.kiln_train.trainer_fixtures", "resume", str(jobs_file))
     by_key = {tuple(job["key"]): (job, out) for job, out in zip(jobs, resumed, strict=True)}
     return {"straight": straight, "resumed": by_key}
 

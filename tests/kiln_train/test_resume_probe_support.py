@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import torch
 from kiln_train.resident import load_resident
 from kiln_train.sft_config import SftConfig
 from kiln_train.trainer import train_sft
-from tests.kiln_train.trainer_fixtures import TRAIN_THREADS, ingest, read_json, train
+from tests.kiln_train.trainer_fixtures import TRAIN_THREADS, ingest, read_json, run_in_fresh_process, train
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "probe"
@@ -153,17 +152,7 @@ def run_leg_in_fresh_process(job: dict, tmp: Path) -> dict:
     """Run one leg in a new Python process (same torch thread count); its result as a dict."""
     job_file = Path(tmp) / f"leg-{os.getpid()}-{len(list(Path(tmp).glob('leg-*.json')))}.json"
     job_file.write_text(json.dumps(job), encoding="utf-8")
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.kiln_train.test_resume_probe_support", "leg", str(job_file)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_in_fresh_process("tests.kiln_train.test_resume_probe_support", "leg", str(job_file))
 
 
 def _leg_main(job_path: str) -> None:

@@ -21,6 +21,8 @@ objects; each is resumed with `train_sft` in order and the results are printed a
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -179,3 +181,15 @@ if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] != "resume":
         raise SystemExit("usage: python -m tests.kiln_train.trainer_fixtures resume JOBS.json")
     _resume_jobs(sys.argv[2])
+
+
+def run_in_fresh_process(module: str, *args: str) -> object:
+    """`python -m <module> <args>` from the repository root in a new interpreter (same torch
+    thread count); the JSON its last stdout line carries."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
