@@ -1,6 +1,12 @@
 """A job's event log (`job_events`) with cursor pagination (peers.md §4.3).
 
 The autoincrement id is the cursor: `list_events(after_id=last_id)` returns the next page.
+A cursor is only sound if a job's event ids become visible in id order. Postgres hands out ids
+when the row is inserted, not when it commits, so two transactions appending to one job (the
+worker's progress and an api cancel, say) could commit out of id order and a reader holding
+the later id would never see the earlier one. `append_event` therefore takes the job row's
+lock first: appends to one job are serialised, and ids are drawn in commit order. (SQLite has
+one writer at a time already.)
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from kiln.store import states
-from kiln.store.models import JobEvent, utcnow
+from kiln.store.models import Job, JobEvent, utcnow
 
 MAX_EVENT_PAGE = 1000
 
@@ -28,6 +34,9 @@ def append_event(
     """Add one event to a job's log; the returned event has its id (the cursor) assigned."""
     if level not in states.EVENT_LEVELS:
         raise ValueError(f"event level must be one of {states.EVENT_LEVELS}, got {level!r}")
+    if session.get_bind().dialect.name == "postgresql":
+        # Held until commit (a no-op when this transaction already updated the job row).
+        session.execute(select(Job.id).where(Job.id == job_id).with_for_update())
     event = JobEvent(job_id=job_id, kind=kind, level=level, message=message, data=data, created_at=utcnow())
     session.add(event)
     session.flush()

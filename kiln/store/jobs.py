@@ -328,7 +328,7 @@ def request_cancel(session: Session, job_id: str) -> str:
 
 def delete_job(session: Session, job_id: str) -> Job:
     """Soft-delete a terminal job (DELETE /v1/train/jobs/{id}); its rows stay for SQL history."""
-    job = require_job(session, job_id)
+    require_job(session, job_id)
     result = session.execute(
         update(Job)
         .where(Job.id == job_id, Job.state.in_(states.TERMINAL_STATES), Job.deleted_at.is_(None))
@@ -336,7 +336,12 @@ def delete_job(session: Session, job_id: str) -> Job:
         .execution_options(synchronize_session=False)
     )
     if result.rowcount != 1:
-        raise InvalidTransition(job_id, "delete", job.state)
+        # Re-read: a concurrent DELETE that committed first makes this one "not found" (not a
+        # 409 naming the terminal state we read before it won); otherwise the job is active.
+        current = get_job(session, job_id, include_deleted=True)
+        if current is None or current.deleted_at is not None:
+            raise KilnError(TRAINING_JOB_NOT_FOUND, f"no training job {job_id!r}")
+        raise InvalidTransition(job_id, "delete", current.state)
     append_event(session, job_id, states.EVENT_DELETED, "job deleted")
     deleted = get_job(session, job_id, include_deleted=True)
     assert deleted is not None
