@@ -15,6 +15,20 @@ RECEIPT_TYPE = "kiln_train_receipt"
 ADAPTER_MANIFEST_TYPE = "kiln_adapter_manifest"
 
 
+def _present(obj: dict) -> dict:
+    """Drop the keys whose value is None: the contract's optional (`?`) fields are omitted, not null."""
+    return {k: v for k, v in obj.items() if v is not None}
+
+
+def _device_peak_mib(facts: RunFacts) -> float | None:
+    """`runtime.peak_vram_mib`: device memory only. On the CPU backend `peak_memory_bytes` is the
+    process's host RSS, which is not VRAM, so the field is null there."""
+    device = ((facts.execution_provenance or {}).get("backend") or {}).get("device") or ""
+    if facts.peak_memory_bytes is None or not device.startswith("cuda"):
+        return None
+    return round(facts.peak_memory_bytes / 2**20, 1)
+
+
 def utc_now_rfc3339() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
@@ -75,7 +89,6 @@ def build_receipt(
     supervised = facts.supervised_per_epoch
     context = facts.tokens_per_epoch - facts.supervised_per_epoch
     epochs_for_tokens = facts.epochs if status == "success" else facts.epochs_completed
-    peak_mib = None if facts.peak_memory_bytes is None else round(facts.peak_memory_bytes / 2**20, 1)
     receipt = {
         "schema_version": 1,
         "receipt_type": RECEIPT_TYPE,
@@ -88,23 +101,29 @@ def build_receipt(
         receipt["failure_message"] = failure_message
     receipt.update(
         {
+            # `|null` fields are always present; `?` fields (kiln-contract §4.2) are omitted when
+            # unknown rather than written as null.
             "kiln": {
                 "git_commit": facts.git_commit,
                 "git_dirty": facts.git_dirty,
                 "git_source": "git" if facts.git_commit else None,
                 "package_version": facts.package_version,
-                "env_config_hash": facts.env_config_hash,
+                **_present({"env_config_hash": facts.env_config_hash}),
             },
             "model": {
                 "path": facts.model_path,
                 "config_hash": ident.get("model_config_sha256"),
-                "base_weight_shard_manifest": facts.base_weight_shard_manifest,
+                **_present({"base_weight_shard_manifest": facts.base_weight_shard_manifest}),
             },
             "tokenizer": {
                 "config_hash": ident.get("tokenizer_vocab_sha256"),
-                "tokenizer_config_hash": ident.get("tokenizer_config_sha256"),
-                "chat_template_hash": ident.get("chat_template_sha256"),
-                "training_chat_template_hash": ident.get("training_chat_template_sha256"),
+                **_present(
+                    {
+                        "tokenizer_config_hash": ident.get("tokenizer_config_sha256"),
+                        "chat_template_hash": ident.get("chat_template_sha256"),
+                        "training_chat_template_hash": ident.get("training_chat_template_sha256"),
+                    }
+                ),
             },
             "adapters": {
                 "base": facts.base_adapter,
@@ -182,19 +201,26 @@ def build_receipt(
             },
             "runtime": {
                 "wall_clock_ms": facts.wall_clock_ms,
-                "peak_vram_mib": peak_mib,
+                "peak_vram_mib": _device_peak_mib(facts),
+                **_present(
+                    {
+                        "sft_loss_route": facts.loss_route,
+                        "execution_provenance": facts.execution_provenance,
+                        "training_precision": facts.training_precision,
+                    }
+                ),
+                # additive (allowed within version 1): the backend's peak, host RSS on CPU
                 "peak_memory_bytes": facts.peak_memory_bytes,
-                "sft_loss_route": facts.loss_route,
-                "execution_provenance": facts.execution_provenance,
-                "training_precision": facts.training_precision,
             },
-            "config_hashes": {
-                "tokenizer_config_hash": ident.get("tokenizer_config_sha256"),
-                "chat_template_hash": ident.get("chat_template_sha256"),
-                "training_chat_template_hash": ident.get("training_chat_template_sha256"),
-                "model_config_hash": ident.get("model_config_sha256"),
-                "kiln_env_config_hash": facts.env_config_hash,
-            },
+            "config_hashes": _present(
+                {
+                    "tokenizer_config_hash": ident.get("tokenizer_config_sha256"),
+                    "chat_template_hash": ident.get("chat_template_sha256"),
+                    "training_chat_template_hash": ident.get("training_chat_template_sha256"),
+                    "model_config_hash": ident.get("model_config_sha256"),
+                    "kiln_env_config_hash": facts.env_config_hash,
+                }
+            ),
             "lora_delta_norms": lora_delta_norms or [],
             "lora_grad_norms": facts.lora_grad_norms,
         }
@@ -258,10 +284,10 @@ def adapter_manifest(receipt: dict, hashes: dict, *, parent_adapter: str | None)
         "receipt_hash": hashes["receipt_hash"],
         "parent_adapter": parent_adapter,
         "model_config_hash": receipt["model"]["config_hash"],
-        "training_chat_template_hash": ident["training_chat_template_hash"],
-        "base_weight_shard_manifest": receipt["model"]["base_weight_shard_manifest"],
-        "execution_provenance": receipt["runtime"]["execution_provenance"],
-        "training_precision": receipt["runtime"]["training_precision"],
+        "training_chat_template_hash": ident.get("training_chat_template_hash"),
+        "base_weight_shard_manifest": receipt["model"].get("base_weight_shard_manifest"),
+        "execution_provenance": receipt["runtime"].get("execution_provenance"),
+        "training_precision": receipt["runtime"].get("training_precision"),
         "kiln_commit": receipt["kiln"]["git_commit"],
         "training_data_hash": receipt["training_data"]["sha256"],
         "training_data_source": receipt["training_data"]["source"],
