@@ -20,8 +20,8 @@ from kiln.store import (
     list_events,
     list_jobs,
     loss_history,
-    queue_positions,
     require_job,
+    states,
     utcnow,
 )
 from kiln.store.events import MAX_EVENT_PAGE
@@ -34,13 +34,22 @@ DEFAULT_EVENT_PAGE = 100
 MAX_EVENT_ID = 2**31 - 1
 
 
+def queue_positions_of(jobs) -> dict[str, int]:
+    """1-based FIFO positions of the queued jobs among `jobs` (already in admission order)."""
+    queued = (j.id for j in jobs if j.state == states.QUEUED)
+    return {job_id: position for position, job_id in enumerate(queued, start=1)}
+
+
 @bp.get("/v1/train/status")
 def list_status() -> Response:
     """Every retained job in admission order (`[TrainingStatus]`)."""
     with services().sessions() as session:
         jobs = list_jobs(session)
         summaries = admission_summaries(session, [j.id for j in jobs])
-        positions = queue_positions(session)
+    # Positions come from the same read as the jobs (admission order): a second query could see
+    # a job claimed, cancelled or admitted meanwhile (Postgres reads each statement afresh) and
+    # give a queued job no position, or positions with a gap.
+    positions = queue_positions_of(jobs)
     now = utcnow()
     return json_list_response(
         [training_status(j, summaries.get(j.id), positions.get(j.id), now) for j in jobs]

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import logging
+from datetime import UTC, datetime
 
 from flask import Blueprint, Response
 
 from api import schemas
 from api.http import json_response, services
-from api.queries import admission_summaries, terminal_jobs
+from api.queries import admission_summaries
 from api.views import training_status
-from kiln.store import CANCELLED, list_jobs, list_queued, request_cancel, states, utcnow
+from kiln.store import CANCELLED, list_jobs, request_cancel, states, utcnow
 
 log = logging.getLogger(__name__)
 
 bp = Blueprint("queue", __name__)
 
+_NEVER = datetime.min.replace(tzinfo=UTC)
 CANCELLING_MESSAGE = "stop requested — the trainer aborts at the next step boundary"
 
 
@@ -23,10 +25,18 @@ CANCELLING_MESSAGE = "stop requested — the trainer aborts at the next step bou
 def queue_view() -> Response:
     """Running job(s), queued jobs with 1-based FIFO positions, finished jobs newest first."""
     with services().sessions() as session:
-        running = list_jobs(session, state=states.RUNNING)
-        queued = list_queued(session)
-        finished = terminal_jobs(session)
+        # One read of every tracked job, split here: three queries could each see a different
+        # moment (Postgres), so a job claimed or finished between them would vanish from the
+        # answer or appear twice.
+        jobs = list_jobs(session)
+        running = [j for j in jobs if j.state == states.RUNNING]
+        finished = [j for j in jobs if j.state in states.TERMINAL_STATES]
         summaries = admission_summaries(session, [j.id for j in (*running, *finished)])
+    queued = [j for j in jobs if j.state == states.QUEUED]
+    # Most recently finished first, ties newest admission first (as api.queries.terminal_jobs).
+    finished.sort(
+        key=lambda j: (j.finished_at is not None, j.finished_at or _NEVER, j.queue_seq), reverse=True
+    )
     now = utcnow()
     running_out = [training_status(j, summaries.get(j.id), None, now) for j in running]
     return json_response(
