@@ -56,12 +56,12 @@ def compiled_features(backend: Backend) -> list[str]:
     """Kernel paths this process will execute with (recorded in the execution provenance)."""
     features = ["torch-chunked-gdn", "sdpa-attention", "chunked-linear-ce"]
     if backend.name == "cuda":
-        try:
-            import fla.ops.gated_delta_rule  # noqa: F401
+        import torch
 
+        from kiln_train.model.delta_rule import canonical_device, fla_unusable_reason
+
+        if fla_unusable_reason(canonical_device(torch.device(backend.device))) is None:
             features.append("fla-gated-delta-rule")
-        except Exception:
-            pass
     return sorted(features)
 
 

@@ -288,20 +288,31 @@ def _rel(a, b) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
+def _parity_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy; at T = 1 the one position against its own token (a plain sum of
+    248k logits would measure bf16 cancellation, not the model)."""
+    if ids.shape[1] == 1:
+        return F.cross_entropy(logits[0].float(), ids[0])
+    return F.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
+
+
 def run_parity(args) -> None:
     """bf16 on CUDA: ours (FLA and torch-chunk GDN) and transformers vs an f32 reference."""
     import peft
     from transformers import AutoModelForCausalLM
 
-    from kiln_train.model.delta_rule import fla_chunk_kernel
+    from kiln_train.model.delta_rule import fla_unusable_reason
 
     device = torch.device(args.device)
     if device.type != "cuda" or not torch.cuda.is_available():
         raise SystemExit(
             "--parity compares bf16 on CUDA; the f32 CPU parity lives in tests/kiln_train/test_model_parity.py"
         )
-    impls = ["chunk"] + (["fla"] if fla_chunk_kernel() is not None else [])
+    fla_reason = fla_unusable_reason(torch.device("cuda", torch.cuda.current_device()))
+    impls = ["chunk"] + (["fla"] if fla_reason is None else [])
     print(f"# bf16 parity on {torch.cuda.get_device_name(device)}; GDN impls {impls}")
+    if fla_reason is not None:
+        print(f"# fla not used: {fla_reason}")
     print(
         "| config | T | ours impl | ours bf16 vs f32 | transformers bf16 vs f32 | ours vs transformers (bf16) "
         "| LoRA grad rel err ours bf16 vs f32 |"
@@ -337,7 +348,7 @@ def run_parity(args) -> None:
                     0, min(vocab, 248000), (1, t), generator=torch.Generator().manual_seed(t)
                 ).to(device)
                 ref_logits = ref32.logits(ids)
-                loss = F.cross_entropy(ref_logits[0, :-1].float(), ids[0, 1:]) if t > 1 else ref_logits.sum()
+                loss = _parity_loss(ref_logits, ids)
                 loss.backward()
                 ref_grads = {n: p.grad.clone() for n, p in lora32.named_parameters()}
                 for p in lora32.parameters():
@@ -350,9 +361,7 @@ def run_parity(args) -> None:
                     lora = attach_lora(ours, 8, 16.0, 0)
                     lora.load_state_dict(lora32.state_dict())
                     logits = ours.logits(ids)
-                    loss = (
-                        F.cross_entropy(logits[0, :-1].float(), ids[0, 1:]) if t > 1 else logits.float().sum()
-                    )
+                    loss = _parity_loss(logits, ids)
                     loss.backward()
                     grad_err = max(
                         _rel(p.grad, ref_grads[n])

@@ -44,18 +44,78 @@ def fla_chunk_kernel():
     return kernel
 
 
+@functools.cache
+def fla_unusable_reason(device: torch.device) -> str | None:
+    """None when FLA's kernel trains correctly on `device`, else why not.
+
+    Importable is not enough: FLA 0.6.0 refuses its backward on Hopper with Triton < 3.7.1 (a
+    Triton miscompilation), and other kernel/toolchain pairs may fail or disagree. So on first use
+    per device one small bf16 forward + backward (the training dtype on CUDA) runs through FLA
+    and through the torch chunked form; FLA is used only when it runs and both agree (5e-2 of the
+    largest magnitude on the output and every input gradient: bf16 rounding is far below that, a
+    miscompiled kernel far above). Anything else falls back to the torch form.
+    """
+    if device.type != "cuda":
+        return "the flash-linear-attention gated delta rule runs on CUDA only"
+    if fla_chunk_kernel() is None:
+        return "flash-linear-attention is not importable; install the `gpu` extra"
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            return _fla_probe(device)
+    except Exception as exc:  # the kernel refused or failed to build on this device
+        return f"flash-linear-attention failed on {device}: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+
+
+def _fla_probe(device: torch.device) -> str | None:
+    """One small bf16 forward + backward through FLA and the torch chunked form; None when they agree."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    b, t, hk, hv, dk, dv = 1, 80, 1, 2, 64, 64
+
+    def inputs():
+        return [
+            torch.randn(b, t, hk, dk, device=device, generator=gen),
+            torch.randn(b, t, hk, dk, device=device, generator=gen),
+            torch.randn(b, t, hv, dv, device=device, generator=gen),
+            -torch.rand(b, t, hv, device=device, generator=gen),
+            torch.rand(b, t, hv, device=device, generator=gen),
+        ]
+
+    base = [x.to(torch.bfloat16) for x in inputs()]
+    results = []
+    for fn in (fla_gated_delta_rule, chunk_gated_delta_rule):
+        args = [x.clone().requires_grad_() for x in base]
+        o, _ = fn(*args)
+        o.float().square().sum().backward()
+        results.append([o.detach().float()] + [a.grad.float() for a in args])
+    torch.cuda.synchronize(device)
+    for got, want in zip(*results, strict=True):
+        err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+        if not err <= 5e-2:
+            return f"flash-linear-attention disagrees with the torch chunked form ({err:.2e} relative)"
+    return None
+
+
 def resolve_impl(impl: str, device: torch.device) -> str:
-    """`auto` -> FLA on CUDA when importable, else the torch chunked form."""
+    """`auto` -> FLA on CUDA when it trains correctly there (`fla_unusable_reason`), else the torch
+    chunked form."""
     if impl not in IMPLS:
         raise ValueError(f"unknown gated delta rule implementation {impl!r}; expected one of {IMPLS}")
     if impl == IMPL_AUTO:
-        return IMPL_FLA if device.type == "cuda" and fla_chunk_kernel() is not None else IMPL_CHUNK
+        if device.type != "cuda" or fla_chunk_kernel() is None:
+            return IMPL_CHUNK
+        return IMPL_FLA if fla_unusable_reason(canonical_device(device)) is None else IMPL_CHUNK
     if impl == IMPL_FLA:
-        if device.type != "cuda":
-            raise ValueError("the flash-linear-attention gated delta rule runs on CUDA only")
-        if fla_chunk_kernel() is None:
-            raise ValueError("flash-linear-attention is not importable; install the `gpu` extra")
+        reason = fla_unusable_reason(canonical_device(device))
+        if reason is not None:
+            raise ValueError(reason)
     return impl
+
+
+def canonical_device(device: torch.device) -> torch.device:
+    """`cuda` and `cuda:0` are one cache entry."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:

@@ -7,14 +7,30 @@ import torch
 import torch.nn.functional as F
 
 from kiln_train.model import attach_lora, load_model
-from kiln_train.model.delta_rule import chunk_gated_delta_rule, fla_chunk_kernel, gated_delta_rule
+from kiln_train.model.delta_rule import (
+    chunk_gated_delta_rule,
+    fla_chunk_kernel,
+    fla_unusable_reason,
+    gated_delta_rule,
+)
 from kiln_train.tiny import write_tiny_checkpoint
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-needs_fla = pytest.mark.skipif(fla_chunk_kernel() is None, reason="flash-linear-attention not importable")
+
+
+def _fla_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA device"
+    return fla_unusable_reason(torch.device("cuda", torch.cuda.current_device()))
+
+
+FLA_REASON = _fla_reason()
+needs_fla = pytest.mark.skipif(
+    FLA_REASON is not None, reason=f"flash-linear-attention unusable: {FLA_REASON}"
+)
 OVERRIDES = {"vocab_size": 512, "bos_token_id": None, "eos_token_id": None}
 
 
@@ -29,14 +45,17 @@ def ckpt(tmp_path_factory):
     )
 
 
-def test_cuda_defaults_to_bf16_and_auto_picks_fla_when_importable(ckpt):
+def test_cuda_defaults_to_bf16_and_auto_picks_fla_only_when_it_trains_correctly(ckpt):
     model = load_model(ckpt, device="cuda")
     assert model.dtype == torch.bfloat16 and model.device.type == "cuda"
     layer = next(layer for layer in model.layers if layer.is_linear_attention)
     from kiln_train.model.delta_rule import resolve_impl
 
-    expected = "fla" if fla_chunk_kernel() is not None else "chunk"
+    expected = "fla" if FLA_REASON is None else "chunk"
     assert resolve_impl(layer.linear_attn.impl, model.device) == expected
+    if fla_chunk_kernel() is not None and FLA_REASON is not None:
+        with pytest.raises(ValueError, match="flash-linear-attention"):
+            resolve_impl("fla", model.device)  # importable but unusable: never chosen, refused when asked
 
 
 @pytest.mark.parametrize("impl", ["chunk", pytest.param("fla", marks=needs_fla)])
