@@ -18,7 +18,7 @@ from torch import nn
 
 from kiln_train.model.attention import GatedAttention
 from kiln_train.model.checkpointing import run_layers
-from kiln_train.model.delta_rule import IMPLS
+from kiln_train.model.delta_rule import IMPLS, resolve_impl
 from kiln_train.model.gdn import GatedDeltaNet
 from kiln_train.model.linear import FrozenLinear
 from kiln_train.model.mlp import SwiGLU
@@ -104,6 +104,16 @@ class Qwen35Model(nn.Module):
                 if chunk_size is not None:
                     layer.linear_attn.chunk_size = chunk_size
 
+    def _settle_gdn_impls(self) -> None:
+        """Decide each GDN layer's kernel here, before any checkpointed segment: the first CUDA
+        decision runs a one-time FLA probe with its own backward, whose saved tensors inside a
+        segment would differ between the forward and the recomputation (CheckpointError)."""
+        if self.device.type != "cuda":
+            return
+        for layer in self.layers:
+            if layer.is_linear_attention:
+                resolve_impl(layer.linear_attn.impl, self.device)
+
     # ----- forward ----------------------------------------------------------------------
     def hidden_states(self, input_ids: torch.Tensor, *, num_segments: int = 1) -> torch.Tensor:
         """Final hidden states [B, T, D] after the final RMSNorm.
@@ -123,6 +133,7 @@ class Qwen35Model(nn.Module):
                 f"token id {int(bad.flatten()[0])} is outside the model's vocabulary "
                 f"(vocab_size {vocab}); the tokenizer does not match this checkpoint"
             )
+        self._settle_gdn_impls()
         h = self.embed_tokens(input_ids)
         positions = torch.arange(input_ids.shape[1], device=h.device)
         rope = rope_tables(positions, self.config.rotary_dim, self.config.rope_theta, h.dtype)

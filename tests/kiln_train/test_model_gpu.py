@@ -106,3 +106,18 @@ def test_fla_kernel_matches_chunked_torch_with_carried_state():
         output_final_state=True,
     )
     assert _rel(torch.cat((first, second), 1), ref) < 5e-3
+
+
+def test_checkpointed_segments_train_on_cuda_with_the_automatic_kernel_choice(tmp_path):
+    """The first CUDA forward decides FLA vs torch with a probe that has its own backward; run
+    inside a checkpointed segment it changed the saved-tensor count (CheckpointError on H200)."""
+    from kiln_train.model import delta_rule
+
+    delta_rule.fla_unusable_reason.cache_clear()  # the decision must happen in this forward
+    path = write_tiny_checkpoint(tmp_path / "seg", "tiny", seed=5, overrides=OVERRIDES, with_tokenizer=False)
+    model = load_model(path, device="cuda")
+    lora = attach_lora(model, rank=4, alpha=8.0, seed=0)
+    ids = torch.randint(0, 512, (1, 96), generator=torch.Generator().manual_seed(2)).cuda()
+    logits = model.logits(ids, num_segments=2)
+    F.cross_entropy(logits[0, :-1].float(), ids[0, 1:]).backward()
+    assert all(p.grad is not None and bool(p.grad.isfinite().all()) for _, p in lora.named_parameters())
