@@ -363,10 +363,13 @@ def run_parity(args) -> None:
                     logits = ours.logits(ids)
                     loss = _parity_loss(logits, ids)
                     loss.backward()
+                    # Leaves whose exact gradient is zero (q/k at T = 1: one key, softmax weight 1)
+                    # hold only f32 rounding noise; a relative error of noise is not a measurement.
+                    largest = max(g.abs().max().item() for g in ref_grads.values())
                     grad_err = max(
                         _rel(p.grad, ref_grads[n])
                         for n, p in lora.named_parameters()
-                        if ref_grads[n].abs().max() > 0
+                        if ref_grads[n].abs().max().item() > 1e-4 * largest
                     )
                     print(
                         f"| {name} | {t} | {impl} | {_rel(logits, ref_logits):.2e} | {_rel(theirs, ref_logits):.2e} "
