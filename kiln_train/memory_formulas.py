@@ -127,8 +127,8 @@ def layer_activation_bytes(config: Qwen35Config, t: int, r: int, e: int) -> list
 
 
 def segment_layer_ranges(num_layers: int, num_segments: int) -> list[tuple[int, int]]:
-    """[start, stop) layers of each checkpoint segment: `kiln_train.model.checkpointing`'s cut
-    (numpy.array_split sizes, the first L mod S segments one layer longer)."""
+    """[start, stop) layers of each checkpoint segment, the cut `kiln_train.model.checkpointing`
+    runs (numpy.array_split sizes, the first L mod S segments one layer longer); torch-free."""
     size, extra = divmod(num_layers, num_segments)
     bounds, start = [], 0
     for s in range(num_segments):

@@ -15,18 +15,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from kiln_train.memory_formulas import segment_layer_ranges
+
 
 def segment_bounds(num_layers: int, num_segments: int) -> list[tuple[int, int]]:
     """[start, stop) layer ranges of each segment, in order."""
     if not isinstance(num_segments, int) or not 1 <= num_segments <= num_layers:
         raise ValueError(f"num_segments must be an integer in 1..={num_layers}, got {num_segments!r}")
-    size, extra = divmod(num_layers, num_segments)
-    bounds, start = [], 0
-    for s in range(num_segments):
-        stop = start + size + (1 if s < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
+    return segment_layer_ranges(num_layers, num_segments)
 
 
 def _run_range(layers: Sequence[nn.Module], h: torch.Tensor, rope) -> torch.Tensor:
