@@ -192,6 +192,42 @@ class DatabaseHealth(_Out):
     dialect: str
 
 
+class CheckpointBoundaryPolicy(_Out):
+    recompute_mode: Literal["segments"] = Field(
+        description="Activations are recomputed per planned contiguous layer segment."
+    )
+    recompute_threshold_tokens: int | None
+    anchor_stride: int | None
+    cache_target_bytes: int | None
+
+
+class ServingPolicy(_Out):
+    inference_admission: str
+    training_gpu_ownership: str
+    adapter_weight_transitions: str
+    dynamic_kv_resize: str
+    allocator_reclaim: str
+    live_graph_capture: str
+    vulkan_resident_prefill: str
+    exclusive_gpu_behavior: str
+
+
+class ServingProfile(_Out):
+    profile: Literal["maintenance"] = Field(
+        description="Kiln serves no inference: training owns the device (the original's maintenance policy)."
+    )
+    source: Literal["built_in"]
+    immutable_after_startup: bool
+    request_overrides_allowed: bool
+    effective_policy_source: Literal["built_in"]
+    effective_policy: ServingPolicy
+
+
+class HealthTraining(_Out):
+    checkpoint_boundary_policy: CheckpointBoundaryPolicy
+    native_training_supported: bool
+
+
 class HealthResponse(_Out):
     status: Literal["ok"]
     database: DatabaseHealth
@@ -200,11 +236,14 @@ class HealthResponse(_Out):
     base_weight_identity: str | None
     queue_depth: int
     native_training_supported: bool
+    serving_profile: ServingProfile
+    training: HealthTraining
 
 
 class TrainingConfigOut(BaseModel):
     model_config = ConfigDict(extra="allow")
     optimizer_support: dict[str, Any] | None
+    checkpoint_boundary_policy: CheckpointBoundaryPolicy
     native_training_supported: bool
     native_training_unavailable_reason: str | None
 
@@ -218,3 +257,4 @@ class ConfigResponse(_Out):
     training: TrainingConfigOut
     memory: dict[str, Any]
     runner: RunnerSummary | None
+    serving_profile: ServingProfile

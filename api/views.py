@@ -13,12 +13,43 @@ from typing import Any
 
 from api import schemas
 from kiln.store import Adapter, Admission, Job, JobEvent, Runner, TrainingStep, states, utcnow
+from kiln_train import memory_formulas
 from kiln_train.checkpoint import CheckpointError, read_checkpoint_manifest
 
 LOSS_HISTORY_MAX = 1024
 GIB = 1 << 30
 RECEIPT_FILE = "train_receipt.json"
 ADAPTER_MANIFEST_FILE = "adapter_manifest.json"
+
+
+def serving_profile() -> schemas.ServingProfile:
+    """`serving_profile` of `/v1/config` and `/health` (kiln-contract §1.1).
+
+    Kiln serves no inference, so its one, built-in profile is the original's `maintenance`
+    policy: inference disabled and training owning the device exclusively; nothing of it can be
+    configured or overridden per request.
+    """
+    return schemas.ServingProfile(
+        profile="maintenance",
+        source="built_in",
+        immutable_after_startup=True,
+        request_overrides_allowed=False,
+        effective_policy_source="built_in",
+        effective_policy=schemas.ServingPolicy(
+            inference_admission="disabled",
+            training_gpu_ownership="exclusive",
+            adapter_weight_transitions="disabled",
+            dynamic_kv_resize="disabled",
+            allocator_reclaim="disabled",
+            live_graph_capture="disabled",
+            vulkan_resident_prefill="disabled",
+            exclusive_gpu_behavior="training_only",
+        ),
+    )
+
+
+def checkpoint_boundary_policy() -> schemas.CheckpointBoundaryPolicy:
+    return schemas.CheckpointBoundaryPolicy(**memory_formulas.checkpoint_boundary_policy())
 
 
 def human_ago(then: datetime, now: datetime) -> str:

@@ -138,6 +138,22 @@ def segment_layer_ranges(num_layers: int, num_segments: int) -> list[tuple[int, 
     return bounds
 
 
+def checkpoint_boundary_policy() -> dict:
+    """`training.checkpoint_boundary_policy`: how activation recomputation is bounded.
+
+    Kiln recomputes whole planned segments (`segment_layer_ranges`, the count chosen at admission
+    and pinned); there is no token-threshold recompute, anchor stride or boundary cache, so those
+    members are null. Checkpoints bind this object in their planning identity; `/v1/config` and
+    `/health` show it. A fresh dict each call (callers may embed and mutate it).
+    """
+    return {
+        "recompute_mode": "segments",
+        "recompute_threshold_tokens": None,
+        "anchor_stride": None,
+        "cache_target_bytes": None,
+    }
+
+
 def segment_activation_bytes(config: Qwen35Config, t: int, r: int, e: int, num_segments: int) -> int:
     """Activations live while the heaviest segment runs backward (all layers with one segment).
 

@@ -23,6 +23,7 @@ from kiln_train.checkpoint import GradNormStats
 from kiln_train.errors import TrainingFailure
 from kiln_train.ingestion import IngestionResult, kept_corpus_sha256
 from kiln_train.memory import estimate
+from kiln_train.memory_formulas import checkpoint_boundary_policy
 from kiln_train.model.checkpointing import segment_bounds
 from kiln_train.model_config import LORA_TARGET_MODULES
 from kiln_train.provenance import git_state, json_sha256
@@ -237,14 +238,6 @@ def new_run_id() -> str:
 
 
 # ----- planning and identity (what checkpoints bind and receipts record) ------------------------
-PLANNING_BOUNDARY_POLICY = {
-    "recompute_mode": "segments",
-    "recompute_threshold_tokens": None,
-    "anchor_stride": None,
-    "cache_target_bytes": None,
-}
-
-
 def default_checkpoint_plan(config: SftConfig) -> dict:
     return {"max_segments": config.grad_checkpoint_segments or 1, "auto": False, "budget_bytes": None}
 
@@ -308,7 +301,7 @@ def auxiliary_state(
         "training_runtime_planning_identity": {
             "schema": ckpt.SFT_PLANNING_SCHEMA,
             "sft_loss_route": route,
-            "checkpoint_boundary_policy": PLANNING_BOUNDARY_POLICY,
+            "checkpoint_boundary_policy": checkpoint_boundary_policy(),
             "runtime_device": resident.backend.device,
         },
         "valid_indices_sha256": json_sha256(sorted(r.row_index for r in ingestion.rows)),

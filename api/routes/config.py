@@ -7,7 +7,7 @@ from flask import Blueprint, Response
 
 from api import schemas
 from api.http import json_response, services
-from api.views import runner_summary
+from api.views import checkpoint_boundary_policy, runner_summary, serving_profile
 from kiln.settings import Settings
 from kiln.store import live_runner
 from kiln_train.optimizer_support import native_training_supported, native_training_unavailable_reason
@@ -50,7 +50,15 @@ def config_view() -> Response:
     training = schemas.TrainingConfigOut(
         **data.pop("training"),
         optimizer_support=report,
+        checkpoint_boundary_policy=checkpoint_boundary_policy(),
         native_training_supported=native_training_supported(report),
         native_training_unavailable_reason=native_training_unavailable_reason(report),
     )
-    return json_response(schemas.ConfigResponse(**data, training=training, runner=runner_summary(runner)))
+    return json_response(
+        schemas.ConfigResponse(
+            **data,
+            training=training,
+            runner=runner_summary(runner),
+            serving_profile=serving_profile(),
+        )
+    )

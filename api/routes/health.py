@@ -12,7 +12,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from api import schemas
 from api.errors import DATABASE_UNAVAILABLE, ApiError
 from api.http import json_response, services
-from api.views import runner_summary
+from api.views import checkpoint_boundary_policy, runner_summary, serving_profile
 from kiln.store import count_queued, live_runner
 from kiln_train.optimizer_support import native_training_supported
 
@@ -34,6 +34,7 @@ def health() -> Response:
         log.warning("health: the job database is unreachable: %s", exc)
         raise ApiError(DATABASE_UNAVAILABLE, f"the job database ({svc.dialect}) is unreachable") from None
     base = runner.model_config.get("base_weights_sha256") if runner is not None else None
+    supported = native_training_supported(runner.optimizer_support if runner is not None else None)
     return json_response(
         schemas.HealthResponse(
             status="ok",
@@ -42,8 +43,10 @@ def health() -> Response:
             execution_identity=runner.execution_identity_digest if runner is not None else None,
             base_weight_identity=base,
             queue_depth=depth,
-            native_training_supported=native_training_supported(
-                runner.optimizer_support if runner is not None else None
+            native_training_supported=supported,
+            serving_profile=serving_profile(),
+            training=schemas.HealthTraining(
+                checkpoint_boundary_policy=checkpoint_boundary_policy(), native_training_supported=supported
             ),
         )
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from datetime import UTC, datetime
 
-from flask import Blueprint, Response
+from flask import Blueprint, Response, current_app
 
 from api import schemas
 from api.http import json_response, services
@@ -61,7 +61,9 @@ def cancel_job(job_id: str) -> Response:
         outcome = request_cancel(session, job_id)
     if outcome == CANCELLED:
         revoke(svc.celery, job_id)
-        return json_response(schemas.CancelResponse(status="cancelled", job_id=job_id))
+        # The contract's body for a queued job is exactly `{"status", "job_id"}` (no message).
+        body = schemas.CancelResponse(status="cancelled", job_id=job_id).model_dump_json(exclude_none=True)
+        return current_app.response_class(body, mimetype="application/json")
     return json_response(
         schemas.CancelResponse(status="cancelling", job_id=job_id, message=CANCELLING_MESSAGE)
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from sqlalchemy.engine import make_url
 
 from api import create_app
@@ -63,3 +64,35 @@ def test_config_never_shows_secrets(storage, engine, broker, db_url):
         assert body["server"]["auth_enabled"] is True and body["server"]["api_token_count"] == 1
     finally:
         app.extensions["kiln"].close()
+
+
+POLICY = {
+    "recompute_mode": "segments",
+    "recompute_threshold_tokens": None,
+    "anchor_stride": None,
+    "cache_target_bytes": None,
+}
+
+
+@pytest.mark.parametrize("path", ["/v1/config", "/health", "/v1/health"])
+def test_serving_profile_and_boundary_policy_are_reported(client, path):
+    body = client.get(path).get_json()
+    assert body["training"]["checkpoint_boundary_policy"] == POLICY
+    profile = body["serving_profile"]
+    assert (profile["profile"], profile["source"], profile["effective_policy_source"]) == (
+        "maintenance",
+        "built_in",
+        "built_in",
+    )
+    assert profile["immutable_after_startup"] is True and profile["request_overrides_allowed"] is False
+    assert profile["effective_policy"]["inference_admission"] == "disabled"
+    assert profile["effective_policy"]["training_gpu_ownership"] == "exclusive"
+
+
+def test_the_reported_boundary_policy_is_the_one_checkpoints_bind():
+    from kiln_train.memory_formulas import checkpoint_boundary_policy
+
+    assert checkpoint_boundary_policy() == POLICY
+    first = checkpoint_boundary_policy()
+    first["recompute_mode"] = "changed"
+    assert checkpoint_boundary_policy() == POLICY

@@ -48,7 +48,7 @@ def test_cancel_a_queued_job(client, sessions, broker, runner):
     assert broker.task_ids() == [job_id]
     response = client.delete(f"/v1/train/queue/{job_id}")
     assert response.status_code == 200
-    assert response.get_json() == {"status": "cancelled", "job_id": job_id, "message": None}
+    assert response.get_json() == {"status": "cancelled", "job_id": job_id}
     with sessions() as session:
         job = session.get(Job, job_id)
     assert (job.state, job.failure_reason, job.cancel_requested) == ("failed", "cancelled", True)
