@@ -64,6 +64,7 @@ class RunFacts:
     steps_completed: int = 0
     wall_clock_ms: int = 0
     peak_memory_bytes: int | None = None
+    cpu_threads: int | None = None
     lora_grad_norms: list[dict] = field(default_factory=list)
     adapter_smoke_test: dict | None = None
     phase_timings: dict = field(default_factory=dict)
@@ -211,6 +212,9 @@ def build_receipt(
                 ),
                 # additive (allowed within version 1): the backend's peak, host RSS on CPU
                 "peak_memory_bytes": facts.peak_memory_bytes,
+                # additive: torch's intra-op thread count the run's CPU kernels used (it changes
+                # how CPU reductions split, hence bits; a resume runs with the recorded count)
+                **_present({"cpu_threads": facts.cpu_threads}),
             },
             "config_hashes": _present(
                 {

@@ -13,7 +13,8 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -507,6 +508,73 @@ def train_sft(
     at admission (it must equal the resident backend's). `resume_checkpoint` is a
     `.kiln-checkpoint` directory; every identity it binds must match this run.
     """
+    # A resumed run computes with the intra-op thread count its checkpoint recorded: CPU matmul
+    # and reduction kernels split work by thread count, so any other count changes the bits.
+    recorded = recorded_cpu_threads(resume_checkpoint) if resume_checkpoint is not None else None
+    with intra_op_threads(recorded):
+        return _train_sft(
+            resident,
+            config,
+            ingestion,
+            loss_route=loss_route,
+            output_root=output_root,
+            adapter_name=adapter_name,
+            progress=progress,
+            should_stop=should_stop,
+            checkpoint_plan=checkpoint_plan,
+            resume_checkpoint=resume_checkpoint,
+            on_checkpoint=on_checkpoint,
+            run_id=run_id,
+        )
+
+
+# A manifest may claim any count; more than this is not a real machine's (the strict loader then
+# refuses the checkpoint anyway, since the claim is part of its bound auxiliary state).
+MAX_RECORDED_THREADS = 1024
+
+
+def recorded_cpu_threads(resume_checkpoint: str | Path) -> int | None:
+    """The intra-op thread count a checkpoint's run used, or None where it cannot be read (the
+    strict loader, which runs next, then names what is wrong with the checkpoint)."""
+    try:
+        manifest = json.loads((Path(resume_checkpoint) / ckpt.MANIFEST_FILENAME).read_text(encoding="utf-8"))
+        value = manifest["auxiliary_state"]["backend_runtime"]["cpu_threads"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_RECORDED_THREADS:
+        return value
+    return None
+
+
+@contextmanager
+def intra_op_threads(count: int | None) -> Iterator[None]:
+    """Torch's intra-op thread count set to `count` (None: left as it is) for the block."""
+    before = torch.get_num_threads()
+    if count is not None and count != before:
+        log.info("using %d intra-op threads (recorded by the checkpoint; this process had %d)", count, before)
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
+def _train_sft(
+    resident: ResidentModel,
+    config: SftConfig,
+    ingestion: IngestionResult,
+    *,
+    loss_route: str,
+    output_root: str | Path,
+    adapter_name: str | None,
+    progress: Callable[[StepReport], None] | None,
+    should_stop: Callable[[], bool] | None,
+    checkpoint_plan: dict | None,
+    resume_checkpoint: str | Path | None,
+    on_checkpoint: Callable[[dict], None] | None,
+    run_id: str | None,
+) -> TrainResult:
     t0 = time.perf_counter()
     run_id = run_id or new_run_id()
     name = adapter_name or config.output_name or f"sft-{run_id[:8]}"
@@ -522,6 +590,7 @@ def train_sft(
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(torch.device(device))
     facts = run_facts(resident, config, ingestion, loss_route, name)
+    facts.cpu_threads = torch.get_num_threads()
     plan = checkpoint_plan or default_checkpoint_plan(config)
     run = SftRun(
         resident,

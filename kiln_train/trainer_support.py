@@ -293,7 +293,13 @@ def auxiliary_state(
         "base_model_weights_sha256": resident.base_weights_sha256,
         "base_weight_shard_manifest": resident.shard_manifest,
         "execution_provenance": resident.provenance,
-        "backend_runtime": {"backend": resident.backend.name, "device": resident.backend.device},
+        "backend_runtime": {
+            "backend": resident.backend.name,
+            "device": resident.backend.device,
+            # CPU reductions split by thread count, so the count is part of what makes a
+            # continuation bit-exact; train_sft resumes with the checkpoint's count.
+            "cpu_threads": torch.get_num_threads(),
+        },
         "kiln_train_version": resident.provenance["build"]["package_version"],
         "gradient_checkpoint_plan_sha256": json_sha256(plan_entries),
         "ingestion_receipt_sha256": json_sha256(ingestion.receipt),
