@@ -15,7 +15,8 @@ ignored (they never reach rendering or row identity). Checked in contract order:
 2. empty `messages` -> `empty_messages`.
 3. a role outside system/user/assistant/tool -> `invalid_role`.
 4. `prepare_for_template` (-> `tokenization_error`): `function.arguments` strings that are not a
-   JSON object; content parts that are not text (images/video: the text model cannot see them;
+   JSON object, or whose escapes decode to what the row itself could not hold (a lone surrogate, a
+   number beyond f64 such as `1e400`, a span marker); content parts that are not text (images/video: the text model cannot see them;
    Transformers would render vision tokens); internal span markers anywhere in the row.
 
 Where the contract is silent Kiln refuses rather than guesses (each is a documented choice, never
@@ -343,7 +344,36 @@ def _render_arguments(arguments, where: str) -> dict:
         raise RowRejection(TOKENIZATION_ERROR, f"{where} is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise RowRejection(TOKENIZATION_ERROR, f"{where} must encode a JSON object, got {_kind(value)}")
+    _check_decoded_arguments(value, where)
     return value
+
+
+def _check_decoded_arguments(value: dict, where: str) -> None:
+    """What the row's own checks cannot see, because the arguments string holds it only as escapes.
+
+    - a lone UTF-16 surrogate (`"\\ud800"`): not Unicode text, so no tokenizer can encode it (and
+      serde_json refuses the escape);
+    - a number too large for an f64 (`1e400`): Python reads it as infinity, so the call would be
+      trained as `inf` instead of the number the data holds (serde_json: "number out of range");
+    - an internal span marker written as an escape (`"\\ufdd0"`): caught here with its field named,
+      rather than later as a malformed span.
+    """
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RowRejection(
+            TOKENIZATION_ERROR,
+            f"{where} decodes to a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape without its pair); "
+            "that is not Unicode text",
+        ) from None
+    except ValueError:
+        raise RowRejection(
+            TOKENIZATION_ERROR,
+            f"{where} holds a number out of range (it does not fit a 64-bit float and would render as inf)",
+        ) from None
+    if SPAN_OPEN in text or SPAN_CLOSE in text:
+        raise RowRejection(TOKENIZATION_ERROR, f"{where} contains an internal span marker (U+FDD0/U+FDD1)")
 
 
 def _makes_a_call(message: dict) -> bool:

@@ -306,16 +306,48 @@ def _front(row: _SourceRow, template: ChatTemplate, t: IngestionTimings):
     return _Pending(row.row_index, row_sha, rendered)
 
 
+def _encode_all(tokenizer, texts: list[str]) -> list:
+    """Encodings of `texts`, batched; a text the tokenizer refuses gets its error message instead.
+
+    The normaliser keeps text the tokenizer cannot take out of rendering, so the per-row retry is a
+    backstop: one row must never take down the rows batched with it (kiln-contract §3.2 step 4:
+    a tokenizer failure is that row's `tokenization_error`).
+    """
+    try:
+        return tokenizer.encode_batch(texts, add_special_tokens=False)
+    except Exception:  # noqa: BLE001 - retried row by row below, each failure named
+        pass
+    out: list = []
+    for text in texts:
+        try:
+            (enc,) = tokenizer.encode_batch([text], add_special_tokens=False)
+        except Exception as exc:  # noqa: BLE001 - a tokenizer failure is the row's rejection
+            enc = f"{type(exc).__name__}: {exc}"
+        out.append(enc)
+    return out
+
+
 def _back(pending: list[_Pending], tokenizer, t: IngestionTimings) -> list[RowOutcome]:
     """Tokenize rendered rows together, label them and apply the token-level row checks."""
     if not pending:
         return []
     t0 = time.perf_counter()
-    encodings = tokenizer.encode_batch([p.rendered.text for p in pending], add_special_tokens=False)
+    encodings = _encode_all(tokenizer, [p.rendered.text for p in pending])
     t1 = time.perf_counter()
     t.tokenize += t1 - t0
     out = []
     for p, enc in zip(pending, encodings, strict=True):
+        if isinstance(enc, str):
+            out.append(
+                RowOutcome(
+                    p.row_index,
+                    p.row_sha256,
+                    rendered=p.rendered,
+                    reason=TOKENIZATION_ERROR,
+                    detail=f"tokenizer: {enc}",
+                )
+            )
+            continue
         ids = enc.ids
         if len(ids) < 2:
             out.append(
