@@ -26,12 +26,20 @@ every role, empty and whitespace-only turns) with full text, ids and supervised 
 named edge rows recording the oracle's result next to the rejection Kiln must give and why.
 tests/kiln_train/test_conversations_oracle.py compares Kiln with it exactly, without TRL.
 
-Regenerate (writes both fixtures; the first one's bytes do not change unless its cases do):
+A third fixture, qualification/fixtures/qwen35_sft_probe2_v1.json, holds named corner rows and 200
+conversations from `probe2_rows` (tool-call arguments of every JSON type and spelling, turns after the
+last assistant, consecutive assistant/user turns, reasoning aliases given together, fields the template
+ignores, content parts without a type, control characters, nested or non-OpenAI tools schemas) and edge
+rows Kiln refuses although TRL renders them; tests/kiln_train/test_conversations_probe2_oracle.py
+compares Kiln with it exactly, without TRL.
+
+Regenerate (writes all three fixtures; a fixture's bytes do not change unless its cases do):
 
     .venv/bin/python qualification/sft_template_oracle.py --write
 
-Check (re-runs the oracle; diffs it against both fixtures, Kiln against the oracle on a further
-500 random rows and 1,000 further generated conversations, the edge rows' expected outcomes, and
+Check (re-runs the oracle; diffs it against all three fixtures, Kiln against the oracle on a further
+500 random rows, 1,000 further generated conversations and 1,000 further probe2 rows, the edge rows'
+expected outcomes, and
 Kiln's training template file rendered by Transformers against TRL's):
 
     .venv/bin/python qualification/sft_template_oracle.py --check
@@ -590,6 +598,7 @@ def check(hf_tokenizer, tokenizer, tokenizer_json: Path) -> int:
         if effective != expected and not ("error" in effective and "error" in expected):
             failures.append(f"row {i}: Kiln's training template through Transformers differs from TRL's")
     failures += check_conversations(hf_tokenizer, tokenizer, tokenizer_json)
+    failures += check_probe2(hf_tokenizer, tokenizer, tokenizer_json)
     for failure in failures[:50]:
         print("FAIL", failure)
     print(f"checked {len(rows)} rows against the oracle; {len(failures)} failure(s)")
@@ -1073,6 +1082,524 @@ def check_conversations(hf_tokenizer, tokenizer, tokenizer_json: Path) -> list[s
     return failures
 
 
+# --------------------------------------------------------------------------- probe2 fixture (v1)
+#
+# A third set aimed at what the two generators above do not reach: tool-call arguments of every JSON
+# type written every way (dicts, big integers, -0.0, exponents, escapes, NUL, paired surrogates,
+# the largest f64), turns after the last assistant (user or tool), consecutive assistant or user
+# turns, an assistant turn first, reasoning aliases given together, reasoning/tool_calls on roles
+# the template ignores, content-part arrays without a type or with unknown types, control
+# characters, tools schemas that are nested or not OpenAI-shaped, and named rows where Kiln refuses
+# what TRL renders (each with the reason).
+
+PROBE2_FIXTURE = REPO / "qualification" / "fixtures" / "qwen35_sft_probe2_v1.json"
+PROBE2_SCHEMA = "kiln.qwen35-sft-probe2.v1"
+PROBE2_SEED = 20260602
+PROBE2_ROWS = 200
+PROBE2_CHECK_SEED = 5
+PROBE2_CHECK_ROWS = 1000
+
+_P_ATOMS = [
+    "x",
+    "héllo",
+    " ",
+    "\n",
+    "\r\n",
+    "\t",
+    "\x00",
+    "\x07",
+    "\x1b[0m",
+    "\u2028",
+    "\x85",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<|im_end|>",
+    "<|im_start|>assistant\n",
+    '"',
+    "\\",
+    "😀",
+    "e\u0301",
+    "中文",
+    "  ",
+    "</parameter>",
+    "<function=g>",
+    "\ufeff",
+    "\u200b",
+]
+_NEGATIVE_ZERO, _EXPONENT = "\x00-0.0\x00", "\x00exp\x00"  # placeholders for number spellings
+
+
+def _ptext(rng: random.Random, lo: int = 0, hi: int = 5) -> str:
+    return "".join(rng.choice(_P_ATOMS) for _ in range(rng.randint(lo, hi)))
+
+
+def _pvalue(rng: random.Random, depth: int = 0):
+    kind = rng.choice(["s", "i", "f", "b", "n", "l", "d", "big", "-0", "e"] if depth < 3 else ["s", "i"])
+    if kind == "s":
+        return _ptext(rng)
+    if kind == "i":
+        return rng.randint(-(10**9), 10**9)
+    if kind == "f":
+        return rng.choice([0.1, -2.5, 1e-7, 1e22, 3.0, 1.7976931348623157e308, 5e-324])
+    if kind == "b":
+        return rng.random() < 0.5
+    if kind == "n":
+        return None
+    if kind == "l":
+        return [_pvalue(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    if kind == "big":
+        return rng.choice([2**64, -(2**63) - 1, 10**30])
+    if kind == "-0":
+        return _NEGATIVE_ZERO
+    if kind == "e":
+        return _EXPONENT
+    return {_ptext(rng, 1, 2) or "k": _pvalue(rng, depth + 1) for _ in range(rng.randint(0, 3))}
+
+
+def _pargs_text(rng: random.Random, args: dict) -> str:
+    """The arguments as a producer might write them: any escaping and layout, -0.0 and exponents."""
+    text = json.dumps(args, ensure_ascii=rng.random() < 0.5, indent=rng.choice([None, None, 1]))
+    text = text.replace(json.dumps(_NEGATIVE_ZERO), "-0.0")
+    return text.replace(json.dumps(_EXPONENT), rng.choice(["1E2", "2.50e-3", "-1e+5", "0.0e0"]))
+
+
+def _pobject(value):
+    """Placeholders as the numbers themselves (for arguments given as an object)."""
+    if isinstance(value, dict):
+        return {k: _pobject(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_pobject(v) for v in value]
+    return {_NEGATIVE_ZERO: -0.0, _EXPONENT: 100.0}.get(value, value) if isinstance(value, str) else value
+
+
+def _pcontent(rng: random.Random):
+    x = rng.random()
+    if x < 0.1:
+        return None
+    if x < 0.2:
+        shapes = [
+            lambda: {"type": "text", "text": _ptext(rng)},
+            lambda: {"text": _ptext(rng)},
+            lambda: {"type": "input_text", "text": _ptext(rng)},
+        ]
+        return [rng.choice(shapes)() for _ in range(rng.randint(0, 3))]
+    return _ptext(rng, 0, 6)
+
+
+def _passistant(rng: random.Random) -> dict:
+    message: dict = {"role": "assistant", "content": _pcontent(rng)}
+    aliases = ["reasoning_content", "thinking", "reasoning"]
+    if rng.random() < 0.4:
+        message[rng.choice(aliases)] = rng.choice([None, "", " ", _ptext(rng)])
+    if rng.random() < 0.15:
+        message[rng.choice(aliases)] = _ptext(rng)
+    if rng.random() < 0.2:
+        message["content"] = f"{_ptext(rng, 0, 2)}<think>{_ptext(rng)}</think>{_ptext(rng)}"
+    return message
+
+
+def _pcall(rng: random.Random, k: int) -> dict:
+    function: dict = {"name": rng.choice(["f", "get x", "名前", "a.b-c"])}
+    args = {_ptext(rng, 1, 2) or "k": _pvalue(rng) for _ in range(rng.randint(0, 4))}
+    mode = rng.random()
+    if mode < 0.6:
+        function["arguments"] = _pargs_text(rng, args)
+    elif mode < 0.85:
+        function["arguments"] = _pobject(args)
+    call: dict = {"function": function}
+    if rng.random() < 0.7:
+        call.update(id=f"c{k}", type="function")
+    return call
+
+
+def probe2_row(rng: random.Random) -> dict:
+    """One seeded conversation for the probe2 fixture (always a valid tool-call structure)."""
+    row: dict = {}
+    if rng.random() < 0.3:
+        row["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": _ptext(rng, 1, 2),
+                    "description": _ptext(rng),
+                    "parameters": {
+                        "type": "object",
+                        "properties": {
+                            "a": {"type": "array", "items": {"type": ["string", "null"]}},
+                            "n": {"type": "number", "minimum": -1.5},
+                        },
+                    },
+                },
+            }
+            for _ in range(rng.randint(0, 2))
+        ]
+    messages: list[dict] = []
+    if rng.random() < 0.4:
+        messages.append({"role": "system", "content": _pcontent(rng)})
+    for _ in range(rng.randint(1, 4)):
+        user: dict = {"role": "user", "content": _pcontent(rng)}
+        if rng.random() < 0.1:
+            user["reasoning_content"] = _ptext(rng)  # ignored by the template, as by TRL
+        if rng.random() < 0.05:
+            user["tool_calls"] = [{"function": {"name": "f", "arguments": "{}"}}]
+        if rng.random() < 0.1:
+            user["name"] = "bob"
+        messages.append(user)
+        for _ in range(rng.choice([1, 1, 1, 2, 3])):  # consecutive assistant turns
+            assistant = _passistant(rng)
+            messages.append(assistant)
+            if rng.random() < 0.4:
+                calls = [_pcall(rng, k) for k in range(rng.randint(1, 3))]
+                assistant["tool_calls"] = calls
+                for k in range(rng.randint(1, len(calls) + 1)):
+                    result: dict = {"role": "tool", "content": _pcontent(rng)}
+                    if rng.random() < 0.5:
+                        result["tool_call_id"] = f"c{k}"
+                    messages.append(result)
+    if rng.random() < 0.2:
+        messages.append({"role": "user", "content": _pcontent(rng)})  # trailing unsupervised context
+    row["messages"] = messages
+    return row
+
+
+def probe2_rows(seed: int, n: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [probe2_row(rng) for _ in range(n)]
+
+
+def probe2_named() -> list[tuple[str, dict]]:
+    """Hand-written rows for the corners above, all of which Kiln must render exactly as TRL does."""
+    q = {"role": "user", "content": "Q"}
+    a = {"role": "assistant", "content": "A"}
+    result = {"role": "tool", "tool_call_id": "c1", "name": "f", "content": "r"}
+
+    def calling(arguments, content=None) -> dict:
+        call = {"id": "c1", "type": "function", "function": {"name": "f"}}
+        if arguments is not ...:
+            call["function"]["arguments"] = arguments
+        return {"role": "assistant", "content": content, "tool_calls": [call]}
+
+    def assistant(content, **extra) -> dict:
+        return {"role": "assistant", "content": content, **extra}
+
+    return [
+        (
+            "think_in_content_and_reasoning_content",
+            [q, assistant("<think>x</think>ans", reasoning_content="real")],
+        ),
+        (
+            "think_in_content_empty_reasoning_content",
+            [q, assistant("<think>x</think>ans", reasoning_content="")],
+        ),
+        (
+            "think_in_content_null_reasoning_content",
+            [q, assistant("<think>x</think>ans", reasoning_content=None)],
+        ),
+        ("content_only_close_think", [q, assistant("</think>")]),
+        ("content_only_open_think", [q, assistant("<think>")]),
+        ("reasoning_whitespace_only", [q, assistant("A", reasoning_content="  \n\t ")]),
+        (
+            "leading_trailing_whitespace_everywhere",
+            [
+                {"role": "system", "content": "\n\n S \n"},
+                {"role": "user", "content": "\n Q\n\n"},
+                assistant("\n\n  A  \n\n", reasoning_content="\n\n r \n\n"),
+            ],
+        ),
+        ("ends_with_user", [q, a, q]),
+        ("ends_with_tool_result", [q, calling('{"x": 1}'), result]),
+        ("consecutive_assistants", [q, a, a]),
+        (
+            "consecutive_assistants_reasoning",
+            [q, assistant("A1", reasoning_content="r1"), assistant("<think>r2</think>A2")],
+        ),
+        ("consecutive_users", [q, q, a]),
+        ("assistant_first", [a, q, a]),
+        (
+            "arguments_nested",
+            [q, calling(json.dumps({"a": {"b": [1, {"c": None}], "d": "x"}, "e": [], "f": {}}))],
+        ),
+        (
+            "arguments_string_escapes",
+            [
+                q,
+                calling(
+                    json.dumps(
+                        {"s": 'he said "hi"\nline2\t\\ end', "u": "ünï 😀 中", "e": "", "w": "  pad  "}
+                    )
+                ),
+            ],
+        ),
+        ("arguments_negative_zero", [q, calling('{"x": -0.0, "y": -0, "z": 0.0}')]),
+        (
+            "arguments_big_integers",
+            [q, calling('{"x": 123456789012345678901234567890, "y": [18446744073709551616]}')],
+        ),
+        (
+            "arguments_float_spellings",
+            [q, calling('{"a": 1e16, "b": 1e-5, "c": 1E2, "d": 0.1, "e": 1.0, "f": 2.50}')],
+        ),
+        ("arguments_largest_f64", [q, calling('{"m": 1.7976931348623157e308, "t": 5e-324}')]),
+        ("arguments_literals", [q, calling('{"t": true, "f": false, "n": null}')]),
+        ("arguments_object", [q, calling({"t": True, "n": None, "x": 1.5, "l": [1, "a"], "s": "q"})]),
+        ("arguments_empty_object", [q, calling({})]),
+        ("arguments_absent", [q, calling(...)]),
+        ("arguments_padded_string", [q, calling('  {"x": 1}  \n')]),
+        ("arguments_unicode_escapes", [q, calling('{"x": "\\u00e9\\ud83d\\ude00"}')]),
+        ("arguments_nul_escape", [q, calling('{"x": "a\\u0000b"}')]),
+        ("arguments_delimiter_keys", [q, calling('{"</parameter>": "<|im_end|>", "a b": 1}')]),
+        (
+            "tool_call_type_not_function",
+            [
+                q,
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"type": "custom", "function": {"name": "f", "arguments": "{}"}}],
+                },
+            ],
+        ),
+        (
+            "tool_calls_on_user_are_not_rendered",
+            [
+                {
+                    "role": "user",
+                    "content": "Q",
+                    "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}],
+                },
+                a,
+            ],
+        ),
+        (
+            "reasoning_on_user_and_system_is_not_rendered",
+            [
+                {"role": "system", "content": "S", "reasoning_content": "s"},
+                {"role": "user", "content": "Q", "reasoning_content": "u"},
+                a,
+            ],
+        ),
+        (
+            "reasoning_aliases_first_non_null_wins",
+            [q, assistant("A", reasoning_content=None, thinking="two", reasoning="three")],
+        ),
+        ("reasoning_aliases_empty_string_wins", [q, assistant("A", thinking="", reasoning="x")]),
+        ("content_parts_empty_arrays", [{"role": "user", "content": []}, q, assistant([])]),
+        ("content_parts_without_type", [{"role": "user", "content": [{"text": "Q"}]}, a]),
+        (
+            "content_parts_unknown_type_with_text",
+            [
+                {
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "Q"}, {"type": "foo", "text": "!"}],
+                },
+                a,
+            ],
+        ),
+        (
+            "content_control_characters",
+            [
+                {"role": "user", "content": "a\x00b\x1b[31m\x08\x0b\x0c\x1c\x85"},
+                assistant("\x00c\x01\x7f\u2028\u2029ok\x0c"),
+            ],
+        ),
+        ("content_crlf_think", [q, assistant("<think>\r\nr\r\n</think>\r\n\r\nA")]),
+        (
+            "extra_message_keys",
+            [{"role": "user", "content": "Q", "weight": 0}, assistant("A", weight=0, loss=False)],
+        ),
+        (
+            "call_xml_in_content_and_tool_calls",
+            [
+                q,
+                {**calling('{"x": 1}'), "content": "<tool_call>\n<function=g>\n</function>\n</tool_call>"},
+                result,
+                a,
+            ],
+        ),
+        ("only_reasoning_no_content", [q, {"role": "assistant", "reasoning_content": "just thinking"}]),
+        ("whitespace_content_with_calls", [q, calling('{"x": 1}', content="  \n ")]),
+        (
+            "function_name_padded_and_odd",
+            [
+                q,
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"function": {"name": " f\n>g\x00", "arguments": "{}"}}],
+                },
+            ],
+        ),
+    ]
+
+
+def probe2_tools_rows() -> list[tuple[str, dict]]:
+    q = {"role": "user", "content": "Q"}
+    a = {"role": "assistant", "content": "A"}
+    nested = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "description": 'd\n"q" ü',
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "o": {
+                        "type": "object",
+                        "properties": {
+                            "a": {"type": "array", "items": {"anyOf": [{"type": "string"}, {"type": "null"}]}}
+                        },
+                        "required": ["a"],
+                    },
+                    "n": {"type": "number", "minimum": 0.5, "maximum": 1e16},
+                },
+                "$defs": {"x": {"enum": [1, "a", None, True]}},
+            },
+        },
+    }
+    return [
+        ("tools_nested_schema", {"tools": [nested], "messages": [q, a]}),
+        ("tools_empty_list", {"tools": [], "messages": [{"role": "system", "content": "S"}, q, a]}),
+        ("tools_not_openai_shaped", {"tools": [{"name": "f", "parameters": {}}, {}], "messages": [q, a]}),
+        (
+            "tools_blank_system",
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "messages": [{"role": "system", "content": "  "}, q, a],
+            },
+        ),
+    ]
+
+
+def probe2_edges() -> list[dict]:
+    """Rows Kiln refuses although TRL renders them (or where both refuse): the outcome and why."""
+    q = {"role": "user", "content": "Q"}
+
+    def calling(arguments: str) -> dict:
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        return {"messages": [q, {"role": "assistant", "content": None, "tool_calls": [call]}]}
+
+    test = "tests/kiln_train/test_conversations_probe2_arguments.py"
+    where = "messages[1].tool_calls[0].function.arguments"
+    return [
+        {
+            "name": "arguments_lone_surrogate",
+            "example": calling('{"x": "\\ud800"}'),
+            "kiln": {
+                "rejection": "tokenization_error",
+                "detail": f"{where} decodes to a lone UTF-16 surrogate",
+            },
+            "why": f"no tokenizer can encode it (TRL's fails too); serde_json refuses the escape ({test})",
+        },
+        {
+            "name": "arguments_number_beyond_f64",
+            "example": calling('{"x": 1e400, "y": [-1e400]}'),
+            "kiln": {"rejection": "tokenization_error", "detail": f"{where} holds a number out of range"},
+            "why": f"TRL trains 'inf' and '[-Infinity]' in place of the data's number ({test})",
+        },
+        {
+            "name": "arguments_span_marker_escape",
+            "example": calling('{"x": "\\ufdd0"}'),
+            "kiln": {
+                "rejection": "tokenization_error",
+                "detail": f"{where} contains an internal span marker",
+            },
+            "why": f"seed 002: an internal-marker collision fails the row closed ({test})",
+        },
+        {
+            "name": "arguments_raw_newline_in_string",
+            "example": calling('{"x": "a\nb"}'),
+            "kiln": {
+                "rejection": "tokenization_error",
+                "detail": f"{where} is not valid JSON: Invalid control character",
+            },
+            "why": "not JSON (both refuse)",
+        },
+        {
+            "name": "image_part_with_text",
+            "example": {
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "Q", "image_url": None}]},
+                    {"role": "assistant", "content": "A"},
+                ]
+            },
+            "kiln": {"rejection": "tokenization_error", "detail": "is an image/video part"},
+            "why": "TRL renders a vision placeholder for any part holding an image_url key; a text model cannot train on it",
+        },
+        {
+            "name": "role_capitalised",
+            "example": {"messages": [q, {"role": "Assistant", "content": "A"}]},
+            "kiln": {"rejection": "invalid_role", "detail": "messages[1].role is 'Assistant'"},
+            "why": "kiln-contract §3.2 step 3: roles are exact (both refuse)",
+        },
+        {
+            "name": "role_user_padded",
+            "example": {
+                "messages": [{"role": "user ", "content": "Q"}, {"role": "assistant", "content": "A"}]
+            },
+            "kiln": {"rejection": "invalid_role", "detail": "messages[0].role is 'user '"},
+            "why": "kiln-contract §3.2 step 3 (TRL: no user query)",
+        },
+    ]
+
+
+def build_probe2_fixture(hf_tokenizer, tokenizer_json: Path) -> dict:
+    template = _trl_template_path().read_text(encoding="utf-8")
+    named = [(n, {"messages": m}) for n, m in probe2_named()] + probe2_tools_rows()
+    cases = [{"name": n, "example": row, **_oracle_entry(hf_tokenizer, template, row)} for n, row in named]
+    for i, row in enumerate(probe2_rows(PROBE2_SEED, PROBE2_ROWS)):
+        cases.append(
+            {"name": f"probe2_{i:03d}", "example": row, **_oracle_entry(hf_tokenizer, template, row)}
+        )
+    edges = [{**e, "oracle": _oracle_entry(hf_tokenizer, template, e["example"])} for e in probe2_edges()]
+    return {
+        "schema": PROBE2_SCHEMA,
+        "description": (
+            "Named corner rows and seeded probe2_rows conversations rendered by Transformers apply_chat_template("
+            "return_assistant_tokens_mask=True) over TRL's qwen3_5_think_training.jinja with Kiln's converted "
+            "Qwen3.5 tokenizer; add_generation_prompt=false; function.arguments JSON strings parsed to objects. "
+            "Every case is one Kiln must keep with exactly this text, these ids and these supervised ranges; "
+            "edge rows record the oracle's result next to the outcome Kiln must give and why."
+        ),
+        "regenerate": REGENERATE,
+        "check": CHECK,
+        "mask_contract": MASK_CONTRACT,
+        "versions": _library_versions(),
+        "artifacts": {
+            "trl_training_template_sha256": _sha256_file(_trl_template_path()),
+            "kiln_training_template_sha256": training_chat_template_sha256(),
+            "tokenizer_json_sha256": _sha256_file(tokenizer_json),
+            "tokenizer_vocabulary_sha256": _sha256_file(vocabulary_file()),
+        },
+        "generator": {"function": "probe2_rows", "seed": PROBE2_SEED, "rows": PROBE2_ROWS},
+        "cases": cases,
+        "edges": edges,
+    }
+
+
+def check_probe2(hf_tokenizer, tokenizer, tokenizer_json: Path) -> list[str]:
+    failures = []
+    fresh = build_probe2_fixture(hf_tokenizer, tokenizer_json)
+    stored = json.loads(PROBE2_FIXTURE.read_text(encoding="utf-8"))
+    for key in fresh:
+        if fresh[key] != stored.get(key):
+            failures.append(f"probe2 fixture field {key!r} differs from a fresh oracle run")
+    trl_template = _trl_template_path().read_text(encoding="utf-8")
+    rows = [c["example"] for c in fresh["cases"]] + probe2_rows(PROBE2_CHECK_SEED, PROBE2_CHECK_ROWS)
+    for i, row in enumerate(rows):
+        problem = _compare_kiln(tokenizer, row, run_oracle(hf_tokenizer, trl_template, row))
+        if problem:
+            failures.append(f"probe2 conversation {i}: Kiln vs oracle: {problem}")
+    for edge in fresh["edges"]:
+        problem = _kiln_edge_problem(tokenizer, edge)
+        if problem:
+            failures.append(f"probe2 edge {edge['name']}: {problem}")
+    print(f"checked {len(rows)} probe2 conversations and {len(fresh['edges'])} edge rows against the oracle")
+    return failures
+
+
 def dump_fixture(fixture: dict) -> str:
     """JSON with the header pretty-printed and one case per line (reviewable diffs)."""
 
@@ -1112,6 +1639,7 @@ def main() -> int:
             return check(hf_tokenizer, tokenizer, tokenizer_json)
         fixture = build_fixture(hf_tokenizer, tokenizer_json)
         conversations = build_conversations_fixture(hf_tokenizer, tokenizer_json)
+        probe2 = build_probe2_fixture(hf_tokenizer, tokenizer_json)
     FIXTURE.parent.mkdir(parents=True, exist_ok=True)
     FIXTURE.write_text(dump_fixture(fixture), encoding="utf-8")
     print(f"wrote {FIXTURE} ({FIXTURE.stat().st_size} bytes, {len(fixture['cases'])} cases)")
@@ -1119,6 +1647,11 @@ def main() -> int:
     print(
         f"wrote {CONVERSATIONS_FIXTURE} ({CONVERSATIONS_FIXTURE.stat().st_size} bytes, "
         f"{len(conversations['cases'])} conversations, {len(conversations['edges'])} edge rows)"
+    )
+    PROBE2_FIXTURE.write_text(dump_fixture(probe2), encoding="utf-8")
+    print(
+        f"wrote {PROBE2_FIXTURE} ({PROBE2_FIXTURE.stat().st_size} bytes, "
+        f"{len(probe2['cases'])} conversations, {len(probe2['edges'])} edge rows)"
     )
     return 0
 
