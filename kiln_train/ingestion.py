@@ -246,7 +246,7 @@ def _parse(obj) -> tuple[dict, str]:
     try:
         canonical = canonical_json(parsed)
         canonical.encode("utf-8")  # lone surrogates cannot be hashed (nor sent by a JSON encoder)
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:  # TypeError: a Python caller's non-JSON value or key
         raise RowSchemaError("example", f"not representable as JSON: {exc}") from None
     return parsed, canonical, unrenderable_field(obj)
 

@@ -149,3 +149,34 @@ def test_a_tokenizer_failure_rejects_that_row_only(qwen_tokenizer):
     assert "SFT row 2 (" in err.value.message and "rejected as tokenization_error: tokenizer: " in (
         err.value.message
     )
+
+
+ASSISTANT = {"role": "assistant", "content": "A"}
+
+
+@pytest.mark.parametrize(
+    "example",
+    [
+        {"tools": [{1: "a", "b": 2}], "messages": [U, ASSISTANT]},
+        {
+            "messages": [
+                U,
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"function": {"name": "f", "arguments": {1: "a", "b": 2}}}],
+                },
+            ]
+        },
+        {"tools": [{"x": {1, 2}}], "messages": [U, ASSISTANT]},
+    ],
+    ids=["tools_mixed_key_types", "arguments_mixed_key_types", "tools_set_value"],
+)
+def test_python_callers_non_json_values_are_transport_errors_not_tracebacks(qwen_tokenizer, example):
+    """Objects handed to `ingest_examples` by Python code (not decoded from JSON) can hold what JSON
+    cannot: the example is refused like any undeserialisable inline example (400, naming it), where a
+    TypeError from hashing used to escape."""
+    for policy in ("fail", "skip"):
+        with pytest.raises(KilnError) as err:
+            ingest_examples([GOOD, example], tokenizer=qwen_tokenizer, policy=policy)
+        assert err.value.code == TRAINING_INVALID_REQUEST
+        assert "examples[1]: example: not representable as JSON: " in err.value.message
