@@ -37,6 +37,9 @@ from kiln_train.errors import backend_unsupported
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 INFERENCE_TEMPLATE_FILE = TEMPLATE_DIR / "qwen3_5_chat_template.jinja"
+# The template Qwen3.5-2B and smaller ship (TRL's `qwen3_5_nothink.jinja`): the think template with
+# the generation prompt's default inverted (an empty think block unless enable_thinking=True).
+NOTHINK_TEMPLATE_FILE = TEMPLATE_DIR / "qwen3_5_nothink_chat_template.jinja"
 TRAINING_TEMPLATE_FILE = TEMPLATE_DIR / "qwen3_5_training.jinja"
 
 # Internal span markers: Unicode noncharacters, never valid in interchanged text. Any occurrence
@@ -198,18 +201,34 @@ def load_model_chat_template(model_dir: str | Path) -> str | None:
     return None
 
 
+@lru_cache(maxsize=1)
+def official_nothink_chat_template() -> str:
+    """The official Qwen3.5 "nothink" chat template text (2B and smaller checkpoints ship it)."""
+    return NOTHINK_TEMPLATE_FILE.read_text(encoding="utf-8")
+
+
+def official_chat_templates() -> dict[str, str]:
+    """Flavour -> official Qwen3.5 chat template text, for every template Kiln can train under."""
+    return {"think": official_chat_template(), "nothink": official_nothink_chat_template()}
+
+
 def select_training_template(model_chat_template: str | None) -> ChatTemplate:
     """Validate the source-pinned model template and select the training variant (seed 002).
 
-    Like TRL, selection is by exact string equality with the official Qwen3.5 think template;
-    any other template has no verified training variant and is refused.
+    Like TRL, selection is by exact string equality with an official Qwen3.5 template: the think
+    template (4B and larger) or the nothink one (2B and smaller). Their training variants (TRL's
+    `qwen3_5_think_training.jinja` / `qwen3_5_nothink_training.jinja`) differ only in the
+    generation prompt, which SFT never renders (add_generation_prompt=false), so both select
+    Kiln's one training template; qualification/sft_nothink_oracle.py proves the renders equal.
+    Any other template has no verified training variant and is refused.
     """
     if model_chat_template is None:
         raise backend_unsupported("the model directory has no chat template (chat_template.jinja)")
-    if model_chat_template != official_chat_template():
+    if model_chat_template not in official_chat_templates().values():
+        known = ", ".join(f"{k} {sha256_text(v)}" for k, v in official_chat_templates().items())
         raise backend_unsupported(
-            "the model's chat template is not the official Qwen3.5 think template "
-            f"(sha256 {sha256_text(model_chat_template)}, expected {chat_template_sha256()}); "
+            "the model's chat template is not an official Qwen3.5 template "
+            f"(sha256 {sha256_text(model_chat_template)}; known: {known}); "
             "no verified SFT training variant exists for it"
         )
     return training_template()

@@ -33,7 +33,10 @@ import torch
 
 from kiln_train.model_config import FULL_ATTENTION, LINEAR_ATTENTION, Qwen35Config, parse_config
 
-TEMPLATE_FILE = Path(__file__).parent / "templates" / "qwen3_5_chat_template.jinja"
+TEMPLATE_FILES = {
+    "think": Path(__file__).parent / "templates" / "qwen3_5_chat_template.jinja",  # 4B and larger
+    "nothink": Path(__file__).parent / "templates" / "qwen3_5_nothink_chat_template.jinja",  # 2B, 0.8B
+}
 STORAGE_DTYPE = torch.bfloat16
 # The `dtype` a text_config may name (override) and the tensor dtype stored for it.
 STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -251,17 +254,22 @@ def write_tiny_checkpoint(
     overrides: dict | None = None,
     tokenizer=None,
     with_tokenizer: bool = True,
+    chat_template: str = "think",
 ) -> Path:
     """Write a complete random Qwen3.5 checkpoint directory; returns its path.
 
     `overrides` replaces text_config fields (shapes, layer_types, tie_word_embeddings, ...);
     `tokenizer` is a prebuilt `tokenizers.Tokenizer` (building one takes ~3 s);
-    `with_tokenizer=False` skips the tokenizer files (model-only tests).
+    `with_tokenizer=False` skips the tokenizer files (model-only tests); `chat_template` picks the
+    official template the checkpoint ships: "think" (Qwen3.5-4B and larger) or "nothink" (2B and
+    smaller).
     """
     from safetensors.torch import save_file
 
     from kiln_train.tokenizer import write_tokenizer
 
+    if chat_template not in TEMPLATE_FILES:
+        raise ValueError(f"chat_template {chat_template!r} is not one of {sorted(TEMPLATE_FILES)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     text = text_config(preset, overrides)
@@ -281,7 +289,7 @@ def write_tiny_checkpoint(
     weights.chmod(_readable_mode(0o644))  # safetensors creates it owner-only; share it like the rest
     if with_tokenizer:
         write_tokenizer(out, tokenizer)
-        shutil.copyfile(TEMPLATE_FILE, out / "chat_template.jinja")
+        shutil.copyfile(TEMPLATE_FILES[chat_template], out / "chat_template.jinja")
     return out
 
 

@@ -25,11 +25,19 @@ def register(cli: click.Group) -> None:
     @click.option("--preset", type=click.Choice(PRESET_NAMES), default="tiny", show_default=True)
     @click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=0, show_default=True)
     @click.option(
+        "--chat-template",
+        "chat_template",
+        type=click.Choice(("think", "nothink")),
+        default="think",
+        show_default=True,
+        help="The official template the checkpoint ships: think (Qwen3.5-4B and larger) or nothink (2B and smaller).",
+    )
+    @click.option(
         "--if-missing",
         is_flag=True,
         help="Do nothing (exit 0) when OUT_DIR already holds a checkpoint (container start-up).",
     )
-    def init_tiny(out_dir: Path, preset: str, seed: int, if_missing: bool) -> None:
+    def init_tiny(out_dir: Path, preset: str, seed: int, chat_template: str, if_missing: bool) -> None:
         """Write a complete random Qwen3.5 checkpoint (config, weights incl. mtp.*, tokenizer, template)."""
         from kiln.cli.tokenizer_cmd import cached_tokenizer, io_reason, is_io_error
         from kiln_train.errors import KilnError
@@ -53,7 +61,9 @@ def register(cli: click.Group) -> None:
         try:
             out_dir.parent.mkdir(parents=True, exist_ok=True)
             staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
-            write_tiny_checkpoint(staging, preset, seed, tokenizer=cached_tokenizer())
+            write_tiny_checkpoint(
+                staging, preset, seed, tokenizer=cached_tokenizer(), chat_template=chat_template
+            )
             staging.chmod(0o755)  # mkdtemp makes it owner-only; a model directory is shared
             if out_dir.exists():
                 out_dir.rmdir()

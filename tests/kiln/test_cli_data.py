@@ -106,7 +106,7 @@ def test_inspect_refuses_a_foreign_chat_template(runner, model_dir):
     (model_dir / "chat_template.jinja").write_text("{{ messages }}", encoding="utf-8")
     result = runner.invoke(cli, ["data", "inspect", str(DEMO), "--model", str(model_dir)])
     assert result.exit_code == 2
-    assert "not the official Qwen3.5 think template" in result.output
+    assert "not an official Qwen3.5 template" in result.output
 
 
 def test_inspect_without_model_uses_the_tokenizer_cache(

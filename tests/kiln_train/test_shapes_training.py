@@ -26,7 +26,7 @@ from kiln_train.model import attach_lora, load_model
 from kiln_train.model_config import LORA_TARGET_MODULES
 from kiln_train.optimizer_support import check_optimizer_tuple, optimizer_support_report
 from kiln_train.resident import load_resident
-from kiln_train.tiny import TEMPLATE_FILE
+from kiln_train.tiny import TEMPLATE_FILES
 from kiln_train.tokenizer import write_tokenizer
 from tests.kiln_train import trainer_fixtures as fx
 from tests.kiln_train.trainer_fixtures import conversations, ingest, make_config, train
@@ -94,7 +94,7 @@ def residents(tmp_path_factory, qwen_tokenizer):
         model.to(torch.bfloat16).save_pretrained(path, max_shard_size="4MB")
         assert (path / "model.safetensors.index.json").is_file()
         write_tokenizer(path, qwen_tokenizer)
-        shutil.copyfile(TEMPLATE_FILE, path / "chat_template.jinja")
+        shutil.copyfile(TEMPLATE_FILES["think"], path / "chat_template.jinja")
         out[name] = load_resident(path)
     return out
 

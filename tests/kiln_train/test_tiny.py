@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from kiln_train.model import load_model
 from kiln_train.model_config import load_config, parse_config
 from kiln_train.tiny import (
-    TEMPLATE_FILE,
+    TEMPLATE_FILES,
     checkpoint_shapes,
     text_config,
     wrapper_config,
@@ -54,7 +54,7 @@ def test_directory_layout_and_config(tiny_dir):
     assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_value_head_dim) == (2, 4, 16)
     generation = json.loads((tiny_dir / "generation_config.json").read_text())
     assert generation == {"bos_token_id": 248044, "eos_token_id": [248046, 248044], "pad_token_id": 248044}
-    assert (tiny_dir / "chat_template.jinja").read_bytes() == TEMPLATE_FILE.read_bytes()
+    assert (tiny_dir / "chat_template.jinja").read_bytes() == TEMPLATE_FILES["think"].read_bytes()
 
 
 def test_small_preset_shape():
@@ -147,7 +147,7 @@ def test_transformers_loads_the_directory(tiny_dir):
         248046,
         198,
     ]
-    assert tok.chat_template == TEMPLATE_FILE.read_text(encoding="utf-8")
+    assert tok.chat_template == TEMPLATE_FILES["think"].read_text(encoding="utf-8")
 
 
 def test_cli_init_tiny(tmp_path, monkeypatch, qwen_tokenizer):
