@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from kiln_train.checkpoint.fs import fsync_dir, write_new_file
+from kiln_train.checkpoint.fs import fsync_dir, rename_no_replace, write_new_file
 from kiln_train.errors import ADAPTER_ALREADY_EXISTS, INVALID_ADAPTER_NAME, KilnError, TrainingFailure
 from kiln_train.model_config import LORA_TARGET_MODULES, Qwen35Config
 from kiln_train.provenance import file_digest, sha256_prefixed
@@ -157,7 +157,12 @@ def publish_adapter(
         fsync_dir(staging)
         if target.exists():
             raise KilnError(ADAPTER_ALREADY_EXISTS, f"adapter {name!r} already exists")
-        os.rename(staging, target)
+        try:
+            # No-replace: plain rename(2) silently replaces an empty directory that took the name
+            # after the check above (names are never overwritten, DESIGN §4).
+            rename_no_replace(staging, target)
+        except FileExistsError:
+            raise KilnError(ADAPTER_ALREADY_EXISTS, f"adapter {name!r} already exists") from None
         fsync_dir(registry)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

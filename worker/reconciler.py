@@ -33,6 +33,9 @@ from worker.celery_app import publish_job
 log = logging.getLogger(__name__)
 
 PUBLISH_GRACE_SECONDS = 5.0
+# A worker idle this long while a published job stays queued concludes that job's doorbell was
+# lost (an idle worker takes a waiting message within moments) and rings it again.
+LOST_DOORBELL_SECONDS = 60.0
 
 
 class Reconciler:
@@ -44,7 +47,50 @@ class Reconciler:
         done = {"republished": 0, "resumed": 0, "failed": 0, "completed": 0}
         done["failed"] += self._expire_leases(done)
         done["republished"] += self._republish()
+        done["republished"] += self._ring_lost_doorbells()
         return done
+
+    def _ring_lost_doorbells(self) -> int:
+        """Publish again the jobs still queued long after their message went out, while this
+        worker sat idle: the broker lost the message (Redis restarted without persistence or
+        flushed; or a worker died holding it unacknowledged, which Redis gives back only after
+        the visibility timeout, days). Without this such a job waited until some newer job's
+        doorbell happened to run it first. A duplicate doorbell is harmless: a message whose row
+        is not `queued` is dropped."""
+        rt = self.runtime
+        idle_since = getattr(rt, "idle_since", None)
+        if rt.celery is None or idle_since is None or rt.shutdown.is_set():
+            return 0
+        cutoff = store.utcnow() - timedelta(seconds=LOST_DOORBELL_SECONDS)
+        if idle_since > cutoff:
+            return 0  # busy until recently: a waiting message may still be on its way to us
+        with rt.factory.begin() as s:
+            lost = [(j.id, j.published_at) for j in store.stale_doorbells(s, older_than=cutoff)]
+        count = 0
+        for job_id, seen in lost:
+            if rt.idle_since != idle_since:
+                break  # a doorbell arrived meanwhile: this worker is not idle any more
+            try:
+                with rt.factory.begin() as s:
+                    if not store.restamp_published(s, job_id, seen):
+                        continue  # another reconciler rang it, or the job left the queue
+                    # Published inside the transaction: a failed publish keeps the old stamp.
+                    publish_job(rt.celery, job_id, rt.settings.queue.queue_name)
+                    store.append_event(
+                        s,
+                        job_id,
+                        states.EVENT_REPUBLISHED,
+                        f"still queued {LOST_DOORBELL_SECONDS:.0f} s after its message went out while "
+                        "a worker sat idle: the broker lost the message; published again",
+                        level=states.LEVEL_WARNING,
+                        data={"previously_published_at": seen.isoformat()},
+                    )
+            except Exception:
+                log.exception("ringing the lost doorbell of job %s failed; will retry", job_id)
+                continue
+            log.warning("job %s: doorbell lost by the broker; published again", job_id)
+            count += 1
+        return count
 
     def _republish(self, job_ids: list[str] | None = None) -> int:
         """Publish committed jobs whose message never went out (or `job_ids`, just requeued)."""
@@ -80,7 +126,7 @@ class Reconciler:
             if (
                 published is None
                 and not lost.cancel_requested
-                and lost.attempts < rt.settings.training.max_attempts
+                and lost.attempts - lost.releases < rt.settings.training.max_attempts
             ):
                 resume = self._resumable(lost)
             try:
@@ -190,6 +236,7 @@ class LostJob:
 
     job_id: str
     attempts: int
+    releases: int  # deliveries ended by a graceful release (not lost; not counted)
     cancel_requested: bool
     adapter_name: str
     effective_seed: str
@@ -202,6 +249,7 @@ def _lost_job(s, job) -> LostJob:
     return LostJob(
         job_id=job.id,
         attempts=job.attempts,
+        releases=store.count_graceful_releases(s, job.id),
         cancel_requested=job.cancel_requested,
         adapter_name=job.adapter_name,
         effective_seed=job.effective_seed,
@@ -226,6 +274,22 @@ def _checkpoint_dirs(adapters_dir: Path, adapter_name: str) -> list[str]:
             if match is not None:
                 found.append((int(match.group(1)), entry.name))
     return [name for _, name in sorted(found, reverse=True)]
+
+
+def unrecorded_checkpoints_beyond(
+    adapters_dir: Path, resume_basename: str, recorded: set[str], lost: LostJob
+) -> list[Path]:
+    """The job's checkpoint directories above the step of `resume_basename` that no row in
+    `recorded` names and that this job's run wrote (same adapter, seed, data and length)."""
+    names = _checkpoint_dirs(adapters_dir, lost.adapter_name)
+    if resume_basename not in names:
+        return []
+    newer = names[: names.index(resume_basename)]  # highest step first
+    return [
+        adapters_dir / name
+        for name in newer
+        if name not in recorded and _written_by(adapters_dir / name, lost)
+    ]
 
 
 def _written_by(path: Path, lost: LostJob) -> bool:

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import TypeVar
 
@@ -31,7 +32,7 @@ from kiln_train.provenance import file_digest
 from kiln_train.resident import ResidentModel
 from kiln_train.trainer import train_sft
 from kiln_train.trainer_support import StepReport, TrainResult
-from worker.reconciler import Reconciler, withdraw
+from worker.reconciler import LostJob, Reconciler, unrecorded_checkpoints_beyond, withdraw
 from worker.runner import device_memory, heartbeat_file, runner_registration
 from worker.verify import PLAN_DRIFT, PLAN_DRIFT_CODE, PinnedJob, PlanDrift, verify_plan
 
@@ -80,6 +81,9 @@ class WorkerRuntime:
         self.factory = store.session_factory(self.engine)
         self.celery = celery
         self.run: CurrentRun | None = None
+        # When this worker last finished handling a doorbell (None while it handles one): an idle
+        # worker's reconciler rings again the doorbells the broker lost.
+        self.idle_since: datetime | None = None
         self.db_retry_delays: tuple[float, ...] = DB_RETRY_DELAYS
         self.shutdown = threading.Event()
         self._stop_threads = threading.Event()
@@ -93,6 +97,7 @@ class WorkerRuntime:
         with self.factory.begin() as s:
             store.register_runner(s, self.worker_id, **runner_registration(self.resident))
         self.touch_heartbeat_file()
+        self.idle_since = store.utcnow()
         self.reconciler.run_once()
         if threads:
             for target, name in (
@@ -193,16 +198,20 @@ class WorkerRuntime:
         their commits), so a doorbell first runs every older queued job: execution follows
         `queue_seq`, strictly FIFO. The older jobs' own doorbells later find them done and drop.
         """
-        while not self.shutdown.is_set():
-            older = self._oldest_queued_before(job_id)
-            if older is None:
-                break
-            self._run_one(older)
-        if self.shutdown.is_set():
-            # A worker on its way out claims nothing: the doorbell goes back to the broker for
-            # another worker (or this one after its restart) instead of one step and a release.
-            return "deferred"
-        return self._run_one(job_id)
+        self.idle_since = None
+        try:
+            while not self.shutdown.is_set():
+                older = self._oldest_queued_before(job_id)
+                if older is None:
+                    break
+                self._run_one(older)
+            if self.shutdown.is_set():
+                # A worker on its way out claims nothing: the doorbell goes back to the broker for
+                # another worker (or this one after its restart) instead of one step and a release.
+                return "deferred"
+            return self._run_one(job_id)
+        finally:
+            self.idle_since = store.utcnow()
 
     def _oldest_queued_before(self, job_id: str) -> str | None:
         ids = self.transact(lambda s, _: [j.id for j in store.list_queued(s) if not j.cancel_requested])
@@ -245,12 +254,12 @@ class WorkerRuntime:
                     return None
                 job = current
             store.heartbeat_runner(s, self.worker_id, state=states.RUNNER_BUSY, current_job_id=job_id)
-            return self._pin(s, job), job.attempts
+            return self._pin(s, job), job.attempts - store.count_graceful_releases(s, job_id)
 
         claimed = self.transact(claim)
         if claimed is None:
             return None
-        pinned, attempts = claimed
+        pinned, attempts = claimed  # deliveries, not counting graceful releases
         if attempts > self.settings.training.max_attempts:
             self._finish_failed(
                 pinned.job_id,
@@ -293,6 +302,7 @@ class WorkerRuntime:
             dataset_path=adm.dataset_path,
             memory_estimate_bytes=int(adm.memory_estimate_bytes),
             recorded_checkpoints=recorded,
+            total_steps=int(job.total_steps or 0),
         )
 
     def _execute(self, pinned: PinnedJob) -> str:
@@ -329,6 +339,7 @@ class WorkerRuntime:
             self._finish_failed(pinned.job_id, PLAN_DRIFT, str(exc), code=PLAN_DRIFT_CODE)
             return "failed"
         self._event(pinned.job_id, states.EVENT_PLAN_VERIFIED, "pinned plan re-verified at dequeue")
+        self._withdraw_unrecorded_beyond_resume(pinned, work)
         shortfall = self._reserve(pinned)
         if shortfall is not None:
             self._finish_failed(pinned.job_id, "oom", shortfall, code=RESERVATION_FAILED_CODE)
@@ -355,6 +366,40 @@ class WorkerRuntime:
             on_checkpoint=lambda record: self._on_checkpoint(pinned.job_id, record),
             run_id=pinned.job_id[:8] + "-" + uuid.uuid4().hex[:6],
         )
+
+    def _withdraw_unrecorded_beyond_resume(self, pinned: PinnedJob, work) -> None:
+        """A reconciler resume: checkpoints of this job beyond the resume point that no row
+        records (published by the lost run, never recorded) are withdrawn before training, as the
+        reconciler does right after the requeue. Its own withdrawal may not have happened (its
+        worker died after the requeue committed); the resumed run would then reach that name
+        and fail on it. We hold the lease, so nobody else writes these names now. A user resume
+        (pinned at admission) is left alone: there a later existing name fails the run
+        (kiln-contract §5.7)."""
+        if work.resume_path is None:
+            return
+        pin = pinned.checkpoint_plan.get("resume_from")
+        if pin is not None and pin.get("checkpoint") == pinned.resume_checkpoint:
+            return
+        stale = unrecorded_checkpoints_beyond(
+            self.settings.adapters_dir,
+            work.resume_path.name,
+            set(pinned.recorded_checkpoints),
+            LostJob(
+                job_id=pinned.job_id,
+                attempts=0,
+                releases=0,
+                cancel_requested=False,
+                adapter_name=pinned.adapter_name,
+                effective_seed=pinned.effective_seed,
+                kept_corpus_sha256=pinned.kept_corpus_sha256,
+                total_steps=pinned.total_steps,
+            ),
+        )
+        for path in stale:
+            log.warning(
+                "job %s: withdrawing %s (published by a lost run, never recorded)", pinned.job_id, path.name
+            )
+            withdraw(path)
 
     def _reserve(self, pinned: PinnedJob) -> str | None:
         """Admission priced the step; check the device still has that much before touching it."""
@@ -571,8 +616,14 @@ class WorkerRuntime:
                 store.renew_lease(s, job_id, self.worker_id, 0)
             except store.LeaseLost:
                 return False
+            # Marked `released`: a graceful release is not a lost delivery, so it does not count
+            # against max_attempts (a rolling deploy must not fail a job that never crashed).
             store.append_event(
-                s, job_id, states.EVENT_REQUEUED, "worker shutting down; released at a checkpoint"
+                s,
+                job_id,
+                states.EVENT_REQUEUED,
+                "worker shutting down; released at a checkpoint",
+                data={"released": True, "worker_id": self.worker_id},
             )
             return True
 

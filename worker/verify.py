@@ -52,6 +52,7 @@ class PinnedJob:
     dataset_path: str | None
     memory_estimate_bytes: int
     recorded_checkpoints: dict  # basename -> manifest sha256 (from the job's checkpoints rows)
+    total_steps: int = 0
 
 
 @dataclass(frozen=True)

@@ -68,9 +68,12 @@ from kiln.store.models import (
 from kiln.store.queue import count_queued, count_tracked, list_queued, queue_position, queue_positions
 from kiln.store.reconcile import (
     complete_lost_job,
+    count_graceful_releases,
     expired_leases,
     fail_worker_lost,
     requeue_for_resume,
+    restamp_published,
+    stale_doorbells,
     unpublished_jobs,
 )
 from kiln.store.runners import get_runner, heartbeat_runner, live_runner, register_runner, stop_runner
@@ -94,6 +97,7 @@ __all__ = [
     "append_event",
     "claim_job",
     "complete_lost_job",
+    "count_graceful_releases",
     "count_queued",
     "count_tracked",
     "create_all_for_tests",
@@ -139,7 +143,9 @@ __all__ = [
     "request_cancel",
     "require_job",
     "requeue_for_resume",
+    "restamp_published",
     "session_factory",
+    "stale_doorbells",
     "states",
     "step_recorded",
     "stop_runner",

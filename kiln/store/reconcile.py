@@ -20,7 +20,7 @@ from kiln.store.artifacts import get_checkpoint, register_adapter
 from kiln.store.errors import InvalidTransition
 from kiln.store.events import append_event
 from kiln.store.jobs import get_job
-from kiln.store.models import Checkpoint, Job, Runner, TrainingStep, utcnow
+from kiln.store.models import Checkpoint, Job, JobEvent, Runner, TrainingStep, utcnow
 
 
 def unpublished_jobs(session: Session, older_than: datetime) -> list[Job]:
@@ -33,6 +33,42 @@ def unpublished_jobs(session: Session, older_than: datetime) -> list[Job]:
         Job.submitted_at < older_than,
     )
     return list(session.scalars(query.order_by(Job.queue_seq)))
+
+
+def stale_doorbells(session: Session, older_than: datetime) -> list[Job]:
+    """Queued jobs (no cancel requested) whose message went out before `older_than` and that are
+    still waiting: the reconciler of a worker idle since before `older_than` rings them again,
+    since a message in the broker would have reached it (the broker lost it: restarted without
+    persistence, flushed, or the message sits unacknowledged with a worker that died)."""
+    query = select(Job).where(
+        Job.state == states.QUEUED,
+        Job.cancel_requested == false(),
+        Job.published_at.is_not(None),
+        Job.published_at < older_than,
+        Job.deleted_at.is_(None),
+    )
+    return list(session.scalars(query.order_by(Job.queue_seq)))
+
+
+def restamp_published(session: Session, job_id: str, seen: datetime, now: datetime | None = None) -> bool:
+    """Move a queued job's `published_at` from `seen` to now (its doorbell is rung again); False
+    when another reconciler did it first or the job left the queue."""
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.state == states.QUEUED, Job.published_at == seen)
+        .values(published_at=now or utcnow())
+        .execution_options(synchronize_session=False)
+    )
+    return result.rowcount == 1
+
+
+def count_graceful_releases(session: Session, job_id: str) -> int:
+    """Deliveries of the job that a worker ended by a warm shutdown at a checkpoint (its
+    `requeued` events marked `released`): they do not count against `max_attempts`."""
+    rows = session.scalars(
+        select(JobEvent.data).where(JobEvent.job_id == job_id, JobEvent.kind == states.EVENT_REQUEUED)
+    )
+    return sum(1 for data in rows if (data or {}).get("released") is True)
 
 
 def expired_leases(
