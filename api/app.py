@@ -29,6 +29,10 @@ def create_app(settings: Settings | None = None, *, celery=None) -> Flask:
     app = Flask("kiln.api", static_folder=None)
     app.config["MAX_CONTENT_LENGTH"] = int(settings.server.max_request_mb * MIB)
     app.json.sort_keys = False  # type: ignore[attr-defined]
+    # No rule may redirect: `/v1/train/jobs/%2F/events` (an id of "/") would merge its slashes
+    # and answer 308 to `/v1/train/jobs/events`, another route, with an HTML body. Unmerged, it
+    # is the 404 envelope. Set before the rules are added: each rule copies the map's default.
+    app.url_map.merge_slashes = False
     app.extensions["kiln"] = build_services(settings, celery)
     register_error_handlers(app)
     install_auth(app, settings.server.api_tokens)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from flask import Response, current_app, request
@@ -104,18 +105,25 @@ def json_body() -> tuple[Any, bytes]:
     return body, raw
 
 
+_DECIMAL = re.compile(r"-?[0-9]+")  # ASCII only: int() also takes "1_0", " 1", "+1", "١"
+
+
 def query_int(name: str, default: int | None, *, minimum: int, maximum: int | None = None) -> int | None:
     """An integer query parameter within [minimum, maximum]; 400 naming it otherwise."""
     raw = request.args.get(name)
     if raw is None or raw == "":
         return default
-    try:
+    if not _DECIMAL.fullmatch(raw):
+        raise invalid_request(f"query parameter {name}={raw[:40]!r} is not a decimal integer")
+    if len(raw.lstrip("-").lstrip("0")) > 20:  # beyond any bound; int() refuses over 4300 digits
+        value = -(10**20) if raw.startswith("-") else 10**20
+        shown = raw[:20] + "..."
+    else:
         value = int(raw, 10)
-    except ValueError:
-        raise invalid_request(f"query parameter {name}={raw!r} is not an integer") from None
+        shown = str(value)
     if value < minimum or (maximum is not None and value > maximum):
         bound = f"{minimum}..={maximum}" if maximum is not None else f">= {minimum}"
-        raise invalid_request(f"query parameter {name}={value} must be {bound}")
+        raise invalid_request(f"query parameter {name}={shown} must be {bound}")
     return value
 
 

@@ -2,21 +2,71 @@
 
 Built from a hand-written route table (method, path, summary, body, responses) and the pydantic
 models' JSON Schemas; `tests/api/test_openapi.py` keeps the table equal to the app's routes.
+
+The document states what the server accepts, not only the shapes: path parameters carry their
+patterns, query integers their bounds, and the request body the ranges its validators enforce
+(`REQUEST_CONSTRAINTS`), so a client that follows the document is refused only for what a schema
+cannot say (alpha/rank, the runner's rank range, memory, names already taken).
+`tests/api/test_probe_fuzz_openapi.py` holds the parser to these constraints at their edges.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from api import schemas
-from kiln_train.sft_config import SftRequest
+from kiln.store import Admission
+from kiln.store.events import MAX_EVENT_PAGE
+from kiln.store.jobs import JOB_ID_MAX
+from kiln_train.sft_config import U64_MAX, SftRequest
 
 OPENAPI_VERSION = "3.1.0"
 REF = "#/components/schemas/{model}"
 PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/metrics"})
+# Event ids are a 32-bit autoincrement on Postgres; a larger cursor is garbage, not a page.
+MAX_EVENT_ID = 2**31 - 1
+
+# What a path parameter must look like to name anything (api.routes.adapters.check_adapter_name,
+# kiln.store.possible_job_id); anything else is answered 400 invalid_adapter_name / 404.
+PATH_PARAMETERS: dict[str, dict] = {
+    "job_id": {"type": "string", "minLength": 1, "maxLength": JOB_ID_MAX},
+    "name": {
+        "type": "string",
+        "pattern": "^[A-Za-z0-9._-]{1,255}$",
+        "not": {"anyOf": [{"enum": [".", ".."]}, {"pattern": "\\.kiln-checkpoint$"}]},
+    },
+}
+
+
+# Request headers (api.admission.check_idempotency_key: 1..=255 printable ASCII; HTTP drops the
+# whitespace around a header value, so the key neither starts nor ends with a space).
+HEADER_SCHEMAS: dict[str, dict] = {
+    "Idempotency-Key": {
+        "type": "string",
+        "minLength": 1,
+        "maxLength": 255,
+        "pattern": "^[!-~]([ -~]*[!-~])?$",
+    },
+}
+
+
+@dataclass(frozen=True)
+class QueryInt:
+    """An integer query parameter and the bounds `api.http.query_int` enforces."""
+
+    description: str
+    minimum: int
+    maximum: int | None = None
+
+    def schema(self) -> dict:
+        bounds = {"minimum": self.minimum}
+        if self.maximum is not None:
+            bounds["maximum"] = self.maximum
+        return {"type": "integer", **bounds}
 
 
 @dataclass(frozen=True)
@@ -26,7 +76,7 @@ class Route:
     summary: str
     ok: type[BaseModel] | str | None  # model, a media type (raw body), or None
     body: type[BaseModel] | None = None
-    query: dict[str, str] = field(default_factory=dict)  # name -> description (integers)
+    query: dict[str, QueryInt] = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)  # request headers -> description
     ok_is_list: bool = False
 
@@ -54,7 +104,12 @@ ROUTES: tuple[Route, ...] = (
         "/v1/train/jobs/{job_id}/events",
         "A page of the job's events",
         schemas.EventPage,
-        query={"after": "Return events with id > after (the previous page's last_id).", "limit": "1..=1000"},
+        query={
+            "after": QueryInt(
+                "Return events with id > after (the previous page's last_id).", 0, MAX_EVENT_ID
+            ),
+            "limit": QueryInt("Events per page.", 1, MAX_EVENT_PAGE),
+        },
     ),
     Route("get", "/v1/train/queue", "The queue", schemas.QueueResponse),
     Route("delete", "/v1/train/queue/{job_id}", "Cancel a job", schemas.CancelResponse),
@@ -73,6 +128,120 @@ ROUTES: tuple[Route, ...] = (
     Route("get", "/openapi.json", "This document", "application/json"),
 )
 
+# ----- request-body constraints the validators enforce (kiln_train.sft_config, api.admission) -----
+
+NON_BLANK = "^[^\\u0000]*[^\\s\\u0000][^\\u0000]*$"  # not blank, no NUL (api.http.unstorable_string)
+ADAPTER_NAME = {  # output_name / base_adapter (api.admission.adapter_name_problem)
+    "type": "string",
+    "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$",
+    "not": {"anyOf": [{"pattern": "\\.kiln-checkpoint$"}, {"pattern": "-checkpoint-step-"}]},
+}
+# Finite and still finite and positive after rounding to f32 (sft_config._lr): half the smallest
+# subnormal rounds to 0, half an ulp above the largest f32 rounds to infinity.
+F32_POSITIVE = {
+    "type": "number",
+    "exclusiveMinimum": math.ldexp(1.0, -150),
+    "exclusiveMaximum": math.ldexp(1.0, 128) - math.ldexp(1.0, 103),
+}
+UNIT_INTERVAL = {"type": "number", "minimum": 0, "exclusiveMaximum": 1}  # [0, 1)
+NON_NEGATIVE = {"type": "number", "minimum": 0}
+UNSUPPORTED = "Not supported by this server: any value but null is refused (400)."
+
+
+def _nullable(schema: dict) -> dict:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+REQUEST_CONSTRAINTS: dict[str, dict[str, dict]] = {
+    "SftRequest": {
+        "examples": _nullable({"type": "array", "minItems": 1, "items": {"type": "object"}}),
+        "dataset_path": _nullable(
+            {
+                "type": "string",
+                "pattern": NON_BLANK,
+                "maxLength": Admission.__table__.c.dataset_path.type.length,
+            }
+        ),
+        "dataset": {"type": "null", "description": UNSUPPORTED},
+        "dataset_split": {"type": "null", "description": UNSUPPORTED},
+        "post_eval": {"type": "null", "description": UNSUPPORTED},
+    },
+    "SftConfig": {
+        "learning_rate": _nullable(F32_POSITIVE),
+        "lora_alpha": {"type": "number", "exclusiveMinimum": 0},
+        "train_mtp": _nullable({"const": False, "description": "true is refused by the server (400)."}),
+        "base_adapter": _nullable(ADAPTER_NAME),
+        "output_name": _nullable(ADAPTER_NAME),
+        "resume_checkpoint": _nullable({"type": "string", "pattern": NON_BLANK}),
+        "seed": {
+            "anyOf": [
+                {"type": "integer", "minimum": 0, "maximum": U64_MAX},
+                {"type": "string", "pattern": "^[0-9]{1,20}$", "description": "u64 as a decimal string"},
+                {"type": "null"},
+            ]
+        },
+        "adapter_smoke_prompts": _nullable(
+            {"type": "array", "minItems": 1, "items": {"type": "string", "pattern": NON_BLANK}}
+        ),
+    },
+    "AdamWConfig": {
+        "beta1": UNIT_INTERVAL,
+        "beta2": UNIT_INTERVAL,
+        "eps": {"type": "number", "exclusiveMinimum": 0},
+        "weight_decay": NON_NEGATIVE,
+    },
+    "MuonConfig": {
+        "momentum": UNIT_INTERVAL,
+        "ns_iters": {"type": "integer", "minimum": 1, "maximum": 20},
+        "weight_decay": NON_NEGATIVE,
+    },
+}
+# Exactly one data transport (SftRequest._one_transport); `dataset` is refused above.
+SFT_TRANSPORTS = {
+    "oneOf": [
+        {"required": ["examples"], "properties": {"examples": {"type": "array"}}},
+        {"required": ["dataset_path"], "properties": {"dataset_path": {"type": "string"}}},
+    ]
+}
+
+
+# The cross-field rules a schema can say (SftConfig._cross_field); alpha/rank <= 2 it cannot.
+SFT_CONFIG_RULES = {
+    "allOf": [
+        {  # adapter_smoke_prompts requires adapter_smoke_test=true
+            "if": {
+                "required": ["adapter_smoke_prompts"],
+                "properties": {"adapter_smoke_prompts": {"type": "array"}},
+            },
+            "then": {
+                "required": ["adapter_smoke_test"],
+                "properties": {"adapter_smoke_test": {"const": True}},
+            },
+        },
+        {  # muon (the default optimizer) needs lora_rank >= 2
+            "if": {
+                "anyOf": [
+                    {"not": {"required": ["optimizer"]}},
+                    {"properties": {"optimizer": {"properties": {"kind": {"const": "muon"}}}}},
+                ]
+            },
+            "then": {"properties": {"lora_rank": {"minimum": 2}}},
+        },
+    ]
+}
+
+
+def _constrain(components: dict) -> dict:
+    for model, fields in REQUEST_CONSTRAINTS.items():
+        properties = components[model]["properties"]
+        for name, schema in fields.items():
+            kept = {k: v for k, v in properties[name].items() if k in ("title", "default", "description")}
+            properties[name] = {**kept, **schema}
+    components["SftRequest"].update(SFT_TRANSPORTS)
+    components["SftConfig"].update(SFT_CONFIG_RULES)
+    return components
+
+
 MODELS: tuple[tuple[type[BaseModel], str], ...] = (
     (SftRequest, "validation"),
     (schemas.ErrorEnvelope, "serialization"),
@@ -86,21 +255,28 @@ def _ref(model: type[BaseModel]) -> dict:
 
 def _path_parameters(path: str) -> list[dict]:
     names = [part[1:-1] for part in path.split("/") if part.startswith("{")]
-    return [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}} for n in names]
+    return [{"name": n, "in": "path", "required": True, "schema": PATH_PARAMETERS[n]} for n in names]
+
+
+def _raw_schema(media_type: str) -> dict:
+    # A file served as it is on disk: JSON files are objects (views.read_json_file checks it).
+    if media_type == "application/json":
+        return {"type": "object"}
+    return {"type": "string", "format": "binary"}
 
 
 def _operation(route: Route, auth: bool) -> dict:
     params = _path_parameters(route.path)
     params += [
-        {"name": n, "in": "query", "required": False, "description": d, "schema": {"type": "integer"}}
-        for n, d in route.query.items()
+        {"name": n, "in": "query", "required": False, "description": q.description, "schema": q.schema()}
+        for n, q in route.query.items()
     ]
     params += [
-        {"name": n, "in": "header", "required": False, "description": d, "schema": {"type": "string"}}
+        {"name": n, "in": "header", "required": False, "description": d, "schema": HEADER_SCHEMAS[n]}
         for n, d in route.headers.items()
     ]
     if isinstance(route.ok, str):
-        content = {route.ok: {"schema": {"type": "string", "format": "binary"}}}
+        content = {route.ok: {"schema": _raw_schema(route.ok)}}
     elif route.ok is not None:
         schema = {"type": "array", "items": _ref(route.ok)} if route.ok_is_list else _ref(route.ok)
         content = {"application/json": {"schema": schema}}
@@ -137,7 +313,7 @@ def build_document(auth: bool) -> dict:
         },
         "paths": paths,
         "components": {
-            "schemas": top.get("$defs", {}),
+            "schemas": _constrain(top.get("$defs", {})),
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }

@@ -17,6 +17,8 @@ from kiln_train.checkpoint.resume import RESUME_IGNORED_CONFIG_FIELDS, first_dif
 from kiln_train.errors import KilnError, invalid_request
 from kiln_train.sft_config import SftConfig
 
+NAME_MAX_BYTES = 255  # one path segment (Linux NAME_MAX)
+
 
 @dataclass(frozen=True)
 class ResumePoint:
@@ -42,6 +44,12 @@ def resolve_checkpoint_path(name: str, adapters_dir: Path) -> Path:
         raise invalid_request("config.resume_checkpoint must not contain NUL bytes")
     root = adapters_dir.resolve()
     candidate = Path(name)
+    if len(candidate.name.encode("utf-8")) > NAME_MAX_BYTES:
+        # The filesystem refuses the lookup itself (ENAMETOOLONG): no such checkpoint can exist.
+        raise invalid_request(
+            f"config.resume_checkpoint names a directory of {len(candidate.name.encode('utf-8'))} bytes; "
+            f"a checkpoint directory name holds at most {NAME_MAX_BYTES}"
+        )
     if candidate.is_absolute():
         if candidate.parent.resolve() != root:
             raise invalid_request(

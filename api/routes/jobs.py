@@ -10,6 +10,7 @@ from flask import Blueprint, Response
 from api import schemas
 from api.errors import TRAINING_JOB_ACTIVE, ApiError
 from api.http import json_list_response, json_response, query_int, services
+from api.openapi import MAX_EVENT_ID
 from api.queries import admission_summaries, job_with_summary, queue_position_of
 from api.views import event_out, job_detail, training_status
 from kiln.store import (
@@ -30,8 +31,6 @@ from kiln_train.errors import TRAINING_JOB_NOT_FOUND, KilnError
 bp = Blueprint("jobs", __name__)
 
 DEFAULT_EVENT_PAGE = 100
-# Event ids are a 32-bit autoincrement on Postgres; a larger cursor is garbage, not a page.
-MAX_EVENT_ID = 2**31 - 1
 
 
 def queue_positions_of(jobs) -> dict[str, int]:
