@@ -42,7 +42,7 @@ from kiln.store import (
     states,
 )
 from kiln_train.adapter import ADAPTER_NAME_RE, check_base_adapter_files
-from kiln_train.checkpoint.manifest import CHECKPOINT_SUFFIX, checkpoint_dir_name
+from kiln_train.checkpoint.manifest import CHECKPOINT_PLAN_AUX_KEY, CHECKPOINT_SUFFIX, checkpoint_dir_name
 from kiln_train.checkpoint.publish import staging_dir_name
 from kiln_train.errors import (
     ADAPTER_ALREADY_EXISTS,
@@ -55,7 +55,7 @@ from kiln_train.errors import (
     invalid_request,
 )
 from kiln_train.ingestion import IngestionResult, ingest_examples, ingest_jsonl, resolve_dataset_path
-from kiln_train.memory import SegmentPlan, available_budget, plan_segments
+from kiln_train.memory import SegmentPlan, available_budget, check_row_plan_fits, plan_segments
 from kiln_train.model_config import Qwen35Config
 from kiln_train.provenance import json_sha256
 from kiln_train.sft_config import SftConfig, SftRequest, parse_sft_request
@@ -90,8 +90,9 @@ class _Plan:
     target: RunnerTarget
     ingestion: IngestionResult
     segments: SegmentPlan
-    auto_segments: bool  # the segment count was planned, not given by the request or checkpoint
+    auto_segments: bool  # rows get the fewest segments that fit (planned, not given by the request)
     resume: ResumePoint | None
+    budget_bytes: int  # the budget an auto plan's rows are planned against (a resume: the checkpoint's)
 
 
 def request_fingerprint(body: object) -> str:
@@ -371,10 +372,27 @@ def _prepare(svc: Services, request: SftRequest, target: RunnerTarget) -> _Plan:
     if config.output_name is None:
         defaults["output_name"] = f"sft-{job_id[:8]}"
     config = config.model_copy(update=defaults).resolve(seed=resume.seed if resume else None)
-    auto_segments = config.grad_checkpoint_segments is None
+    recorded = _recorded_plan(resume)
+    auto_segments = recorded["auto"] if recorded is not None else config.grad_checkpoint_segments is None
     ingestion = _ingest(svc, request, config, target)  # (8)
     check_output_name_fits(config.output_name, config.epochs * len(ingestion.rows))
     segments = _plan_memory(svc, config, target, ingestion)  # (9)
+    budget = segments.available_bytes
+    if recorded is not None and recorded["auto"]:
+        # The resumed rows must get the segments they had: re-derive them from the checkpoint's
+        # budget (not today's) and check that each row's bound still fits today.
+        budget = int(recorded["budget_bytes"])
+        check_row_plan_fits(
+            target.model,
+            [(r.seq_len, r.supervised_tokens) for r in ingestion.rows],
+            recorded,
+            lora_rank=config.lora_rank,
+            optimizer_kind=config.optimizer.kind,
+            loss_route=target.loss_route,
+            backend=target.backend,
+            weights_resident=True,
+            available_bytes=segments.available_bytes,
+        )
     config = config.model_copy(update={"grad_checkpoint_segments": segments.num_segments})
     if resume is not None:
         check_resume_identity(
@@ -384,7 +402,15 @@ def _prepare(svc: Services, request: SftRequest, target: RunnerTarget) -> _Plan:
             len(ingestion.rows),
             config.epochs * len(ingestion.rows),
         )
-    return _Plan(job_id, config, request, target, ingestion, segments, auto_segments, resume)
+    return _Plan(job_id, config, request, target, ingestion, segments, auto_segments, resume, budget)
+
+
+def _recorded_plan(resume: ResumePoint | None) -> dict | None:
+    """The gradient checkpoint plan a resumed checkpoint's run was pinned to (validated by the
+    strict loader), or None (no resume, or a checkpoint from before plans were recorded)."""
+    if resume is None:
+        return None
+    return resume.manifest.auxiliary_state.get(CHECKPOINT_PLAN_AUX_KEY)
 
 
 def _ingest(svc: Services, request: SftRequest, config: SftConfig, target: RunnerTarget) -> IngestionResult:
@@ -468,7 +494,7 @@ def _admission_fields(plan: _Plan) -> dict:
         "checkpoint_plan": {
             "max_segments": segments.num_segments,
             "auto": plan.auto_segments,
-            "budget_bytes": segments.available_bytes,
+            "budget_bytes": plan.budget_bytes,
             "boundary": CHECKPOINT_BOUNDARY,
             "resume_from": plan.resume.pin() if plan.resume else None,
         },

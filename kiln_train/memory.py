@@ -20,6 +20,7 @@ import ctypes
 import ctypes.util
 import math
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -278,6 +279,76 @@ def plan_segments(
         backend=backend,
     )
     raise will_not_fit(breakdown, available_bytes, rank_ceiling=ceiling, tried=counts)
+
+
+def row_segments(
+    plan: dict, seq_len: int, supervised: int, estimate_fits: Callable[[int, int, int], bool]
+) -> int:
+    """Segments for one row: the smallest count within the pinned plan whose bound fits.
+
+    `plan` is a pinned checkpoint plan `{max_segments, auto, budget_bytes}`; a plan that is not
+    auto (or has no budget) runs every row with `max_segments`. `estimate_fits(seq_len,
+    supervised, segments)` says whether that row's bound fits the plan's budget.
+    """
+    max_s = int(plan.get("max_segments", 1))
+    if not plan.get("auto", False) or plan.get("budget_bytes") is None:
+        return max_s
+    for s in range(1, max_s + 1):
+        if estimate_fits(seq_len, supervised, s):
+            return s
+    return max_s
+
+
+def check_row_plan_fits(
+    config: Qwen35Config,
+    rows: Iterable[tuple[int, int]],
+    plan: dict,
+    *,
+    lora_rank: int,
+    optimizer_kind: str,
+    loss_route: str,
+    backend: Backend,
+    weights_resident: bool,
+    available_bytes: int,
+) -> Breakdown | None:
+    """Re-admit a pinned per-row plan (a resume's) against today's budget: each row's bound with
+    the segments the plan gives it must fit `available_bytes`; raises 413 for the worst row that
+    does not. `rows` are `(seq_len, supervised_tokens)`. Returns the largest row bound (None for
+    no rows)."""
+    common = {
+        "lora_rank": lora_rank,
+        "optimizer_kind": optimizer_kind,
+        "loss_route": loss_route,
+        "backend": backend,
+        "weights_resident": weights_resident,
+    }
+    budget = plan.get("budget_bytes")
+
+    def bound(seq_len: int, supervised: int, segments: int) -> Breakdown:
+        return estimate(
+            config, max_seq_len=seq_len, max_supervised_tokens=supervised, num_segments=segments, **common
+        )
+
+    worst: tuple[Breakdown, int, int, int] | None = None
+    for seq_len, supervised in sorted(set(rows)):
+        s = row_segments(plan, seq_len, supervised, lambda t, a, k: bound(t, a, k).fits(int(budget)))
+        b = bound(seq_len, supervised, s)
+        if worst is None or b.total > worst[0].total:
+            worst = (b, seq_len, supervised, s)
+    if worst is None:
+        return None
+    breakdown, seq_len, supervised, s = worst
+    if not breakdown.fits(available_bytes):
+        # plan_segments raises the contract's 413 (breakdown, advice, rank ceiling) for that row.
+        plan_segments(
+            config,
+            max_seq_len=seq_len,
+            max_supervised_tokens=supervised,
+            available_bytes=available_bytes,
+            requested_segments=s,
+            **common,
+        )
+    return breakdown
 
 
 def admissible_rank_ceiling(

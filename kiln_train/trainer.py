@@ -155,7 +155,7 @@ class SftRun:
         check_config_for_training(c, self.route, self.resident, int(self.plan.get("max_segments", 1)))
         verify_rows(self.ingestion)
         self.segments, entries = per_row_plan(self.resident, c, self.ingestion, self.plan, self.route)
-        self.aux = auxiliary_state(self.resident, c, self.ingestion, self.route, entries)
+        self.aux = auxiliary_state(self.resident, c, self.ingestion, self.route, entries, self.plan)
         resume = self._load_resume(resume_checkpoint) if resume_checkpoint is not None else None
         self._check_checkpoint_names(resume.start_step if resume is not None else 0, may_stop)
         c = self.config  # a resume adopts the checkpoint's base_adapter
@@ -511,6 +511,11 @@ def train_sft(
     # A resumed run computes with the intra-op thread count its checkpoint recorded: CPU matmul
     # and reduction kernels split work by thread count, so any other count changes the bits.
     recorded = recorded_cpu_threads(resume_checkpoint) if resume_checkpoint is not None else None
+    if resume_checkpoint is not None and checkpoint_plan is None:
+        # A library resume re-derives the per-row segment plan from the checkpoint's own record
+        # (an auto plan depends on the budget its first admission saw). The service pins it at
+        # admission instead (api.admission adopts the same record).
+        checkpoint_plan = recorded_checkpoint_plan(resume_checkpoint)
     with intra_op_threads(recorded):
         return _train_sft(
             resident,
@@ -533,14 +538,30 @@ def train_sft(
 MAX_RECORDED_THREADS = 1024
 
 
-def recorded_cpu_threads(resume_checkpoint: str | Path) -> int | None:
-    """The intra-op thread count a checkpoint's run used, or None where it cannot be read (the
-    strict loader, which runs next, then names what is wrong with the checkpoint)."""
+def _recorded_aux(resume_checkpoint: str | Path) -> dict:
+    """A checkpoint manifest's `auxiliary_state`, read leniently ({} where it cannot be read: the
+    strict loader, which runs before any training, then names what is wrong with it)."""
     try:
         manifest = json.loads((Path(resume_checkpoint) / ckpt.MANIFEST_FILENAME).read_text(encoding="utf-8"))
-        value = manifest["auxiliary_state"]["backend_runtime"]["cpu_threads"]
+        aux = manifest["auxiliary_state"]
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
-        return None
+        return {}
+    return aux if isinstance(aux, dict) else {}
+
+
+def recorded_checkpoint_plan(resume_checkpoint: str | Path) -> dict | None:
+    """The pinned gradient checkpoint plan a checkpoint's run used, or None (absent or malformed:
+    the default plan then applies and the strict comparison reports any drift)."""
+    plan = _recorded_aux(resume_checkpoint).get(ckpt.CHECKPOINT_PLAN_AUX_KEY)
+    if isinstance(plan, dict) and set(plan) == set(ckpt.CHECKPOINT_PLAN_KEYS):
+        return dict(plan)
+    return None
+
+
+def recorded_cpu_threads(resume_checkpoint: str | Path) -> int | None:
+    """The intra-op thread count a checkpoint's run used, or None where it cannot be read."""
+    runtime = _recorded_aux(resume_checkpoint).get("backend_runtime")
+    value = runtime.get("cpu_threads") if isinstance(runtime, dict) else None
     if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_RECORDED_THREADS:
         return value
     return None

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import resource
 import uuid
-from collections.abc import Callable
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from kiln_train.backend import FULL_LOGITS
 from kiln_train.checkpoint import GradNormStats
 from kiln_train.errors import TrainingFailure
 from kiln_train.ingestion import IngestionResult, kept_corpus_sha256
-from kiln_train.memory import estimate
+from kiln_train.memory import estimate, row_segments
 from kiln_train.memory_formulas import checkpoint_boundary_policy
 from kiln_train.model.checkpointing import segment_bounds
 from kiln_train.model_config import LORA_TARGET_MODULES
@@ -124,19 +123,6 @@ def release_lora(model) -> None:
     lora = getattr(model, "lora", None)
     if lora is not None:
         lora.remove(model)
-
-
-def row_segments(
-    plan: dict, seq_len: int, supervised: int, estimate_fits: Callable[[int, int, int], bool]
-) -> int:
-    """Segments for one row: the smallest count within the pinned plan whose bound fits."""
-    max_s = int(plan.get("max_segments", 1))
-    if not plan.get("auto", False) or plan.get("budget_bytes") is None:
-        return max_s
-    for s in range(1, max_s + 1):
-        if estimate_fits(seq_len, supervised, s):
-            return s
-    return max_s
 
 
 def peak_memory_bytes(device: str) -> int:
@@ -278,8 +264,26 @@ def per_row_plan(
     return segments, entries
 
 
+def recorded_plan(plan: dict) -> dict:
+    """The part of a pinned checkpoint plan the per-row plan is derived from (what a checkpoint
+    records as `auxiliary_state.gradient_checkpoint_plan`)."""
+    auto, budget = bool(plan.get("auto", False)), plan.get("budget_bytes")
+    return {
+        "max_segments": int(plan.get("max_segments", 1)),
+        "auto": auto,
+        # Only an auto plan's rows depend on the budget; a fixed plan records none, so resuming it
+        # under another budget is the same plan.
+        "budget_bytes": int(budget) if auto and budget is not None else None,
+    }
+
+
 def auxiliary_state(
-    resident: ResidentModel, config: SftConfig, ingestion: IngestionResult, route: str, plan_entries: list
+    resident: ResidentModel,
+    config: SftConfig,
+    ingestion: IngestionResult,
+    route: str,
+    plan_entries: list,
+    plan: dict | None = None,
 ) -> dict:
     """`auxiliary_state` of an SFT checkpoint (kiln-contract §5.3): everything resume must match."""
     ident = resident.identity
@@ -311,6 +315,7 @@ def auxiliary_state(
             "runtime_device": resident.backend.device,
         },
         "valid_indices_sha256": json_sha256(sorted(r.row_index for r in ingestion.rows)),
+        ckpt.CHECKPOINT_PLAN_AUX_KEY: recorded_plan(plan or default_checkpoint_plan(config)),
     }
 
 

@@ -40,6 +40,8 @@ from kiln_train.checkpoint.loop_state import (
 from kiln_train.checkpoint.manifest import (
     ADAPTER_FILE,
     BASE_ADAPTER_AUX_KEY,
+    CHECKPOINT_PLAN_AUX_KEY,
+    CHECKPOINT_PLAN_KEYS,
     CHECKPOINT_SUFFIX,
     LOOP_STATE_FILE,
     MANIFEST_FILENAME,
@@ -68,6 +70,8 @@ from kiln_train.checkpoint.rules import validate_manifest
 __all__ = [
     "ADAPTER_FILE",
     "BASE_ADAPTER_AUX_KEY",
+    "CHECKPOINT_PLAN_AUX_KEY",
+    "CHECKPOINT_PLAN_KEYS",
     "CHECKPOINT_SUFFIX",
     "EPOCH_ORDER_ALGORITHM",
     "LOOP_STATE_FILE",

@@ -90,6 +90,12 @@ SFT_AUXILIARY_KEYS = (
 # loaded. A resume does not load the base adapter again (it continues the checkpoint's tensors), so
 # it takes the run's lineage from here; absent when the run started from the seeded LoRA init.
 BASE_ADAPTER_AUX_KEY = "base_adapter"
+# Optional (always written by this version) `auxiliary_state` member: the pinned gradient
+# checkpoint plan `{max_segments, auto, budget_bytes}` the per-row plan list (whose digest is
+# `gradient_checkpoint_plan_sha256`) was derived from. An auto plan depends on the memory budget
+# admission saw, so a resume must re-derive the rows from this record, not from a fresh budget.
+CHECKPOINT_PLAN_AUX_KEY = "gradient_checkpoint_plan"
+CHECKPOINT_PLAN_KEYS = ("max_segments", "auto", "budget_bytes")
 BASE_ADAPTER_IDENTITY_KEYS = ("path", "adapter_model_sha256", "adapter_model_bytes")
 
 _IDENTIFIER_RE = re.compile(r"[A-Za-z0-9._-]+")  # matched in full (`$` admits a trailing newline)

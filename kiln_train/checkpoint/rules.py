@@ -21,6 +21,8 @@ from kiln_train.checkpoint.errors import CheckpointError
 from kiln_train.checkpoint.manifest import (
     BASE_ADAPTER_AUX_KEY,
     BASE_ADAPTER_IDENTITY_KEYS,
+    CHECKPOINT_PLAN_AUX_KEY,
+    CHECKPOINT_PLAN_KEYS,
     MAX_FILES,
     MAX_RELPATH_BYTES,
     RESERVED_NAMES,
@@ -253,6 +255,39 @@ def _check_sft_resumable(m: CheckpointManifest) -> None:
         if not _non_empty_str(aux[key]):
             raise CheckpointError(f"auxiliary_state.{key}: must be a non-empty string")
     _check_base_adapter_lineage(m)
+    _check_recorded_plan(m)
+
+
+def checkpoint_plan_problem(plan: object, grad_checkpoint_segments: object) -> str | None:
+    """Why `plan` is not a valid `auxiliary_state.gradient_checkpoint_plan` of a run whose
+    effective config says `grad_checkpoint_segments` (None when it is valid)."""
+    if not isinstance(plan, dict) or set(plan) != set(CHECKPOINT_PLAN_KEYS):
+        return f"must be an object with exactly {', '.join(CHECKPOINT_PLAN_KEYS)}"
+    segments, auto, budget = plan["max_segments"], plan["auto"], plan["budget_bytes"]
+    if not isinstance(segments, int) or isinstance(segments, bool) or segments < 1:
+        return f"max_segments: {segments!r} is not an integer >= 1"
+    if not isinstance(auto, bool):
+        return f"auto: {auto!r} is not a boolean"
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+        return f"budget_bytes: {budget!r} is not null or an integer >= 0"
+    if not auto and budget is not None:
+        return "budget_bytes: a fixed plan's rows do not depend on a budget; it records null"
+    if segments != (grad_checkpoint_segments or 1):
+        return (
+            f"max_segments: {segments} differs from effective_config.grad_checkpoint_segments "
+            f"{grad_checkpoint_segments!r}"
+        )
+    return None
+
+
+def _check_recorded_plan(m: CheckpointManifest) -> None:
+    if CHECKPOINT_PLAN_AUX_KEY not in m.auxiliary_state:
+        return
+    problem = checkpoint_plan_problem(
+        m.auxiliary_state[CHECKPOINT_PLAN_AUX_KEY], m.effective_config.get("grad_checkpoint_segments")
+    )
+    if problem is not None:
+        raise CheckpointError(f"auxiliary_state.{CHECKPOINT_PLAN_AUX_KEY}: {problem}")
 
 
 _SHA256_RE = re.compile(r"sha256:[0-9a-f]{64}")

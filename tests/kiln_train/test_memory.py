@@ -14,11 +14,13 @@ from kiln_train.memory import (
     GIB,
     U64_MAX,
     available_budget,
+    check_row_plan_fits,
     cpu_available_bytes,
     dominant_component,
     estimate,
     max_rank_that_fits,
     plan_segments,
+    row_segments,
     saturate,
     will_not_fit_message,
 )
@@ -442,3 +444,53 @@ def test_memory_modules_do_not_import_torch():
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ----- re-admitting a pinned per-row plan (a resume of an auto-planned run) ----------------------
+
+
+def _row_bound(t: int, a: int, s: int):
+    return est(max_seq_len=t, max_supervised_tokens=a, num_segments=s, lora_rank=16, optimizer_kind="adam_w")
+
+
+def test_row_segments_gives_each_row_the_fewest_segments_within_the_plan():
+    long_1, long_2 = _row_bound(16384, 8192, 1), _row_bound(16384, 8192, 2)
+    assert long_2.total < long_1.total
+    budget = long_2.total  # the long row needs 2 segments, a short one fits in 1
+    plan = {"max_segments": 4, "auto": True, "budget_bytes": budget}
+
+    def fits(t, a, s):
+        return _row_bound(t, a, s).fits(budget)
+
+    assert row_segments(plan, 16384, 8192, fits) == 2
+    assert row_segments(plan, 512, 256, fits) == 1
+    fixed = {"max_segments": 4, "auto": False, "budget_bytes": None}
+    assert row_segments(fixed, 512, 256, fits) == 4
+    nothing_fits = {"max_segments": 3, "auto": True, "budget_bytes": 1}
+    assert row_segments(nothing_fits, 512, 256, lambda *_: False) == 3
+
+
+def test_a_pinned_row_plan_is_readmitted_row_by_row():
+    budget = _row_bound(16384, 8192, 2).total
+    plan = {"max_segments": 4, "auto": True, "budget_bytes": budget}
+    rows = [(16384, 8192), (12000, 6000), (512, 256), (512, 256)]
+    common = {
+        "lora_rank": 16,
+        "optimizer_kind": "adam_w",
+        "loss_route": KT_TAPE_FLCE,
+        "backend": CUDA,
+        "weights_resident": False,
+    }
+    worst = check_row_plan_fits(QWEN35_4B, rows, plan, available_bytes=budget, **common)
+    # The worst row under the plan: a 12k row on 1 segment can outweigh the 16k row on 2.
+    expected = max(
+        (_row_bound(t, a, 1) if _row_bound(t, a, 1).fits(budget) else _row_bound(t, a, 2)).total
+        for t, a in rows
+    )
+    assert worst is not None and worst.total == expected <= budget
+    assert check_row_plan_fits(QWEN35_4B, [], plan, available_bytes=budget, **common) is None
+    # Today's budget one byte under the worst row's bound: 413 with the contract's breakdown.
+    with pytest.raises(KilnError) as err:
+        check_row_plan_fits(QWEN35_4B, rows, plan, available_bytes=expected - 1, **common)
+    assert err.value.code == "training_will_not_fit"
+    assert "loss workspace" in err.value.message and "num_segments" in err.value.message
