@@ -28,6 +28,7 @@ INTERNAL_ERROR = "internal_error"
 IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"
 DATABASE_UNAVAILABLE = "database_unavailable"
 TRAINING_JOB_ACTIVE = "training_job_active"
+UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
 
 # code -> (status, Retry-After seconds or None, static hint)
 API_ERRORS: dict[str, tuple[int, int | None, str]] = {
@@ -41,6 +42,11 @@ API_ERRORS: dict[str, tuple[int, int | None, str]] = {
         "An Idempotency-Key names exactly one request body; use a new key for a different request.",
     ),
     DATABASE_UNAVAILABLE: (503, 5, "The job database is unreachable; retry after the Retry-After delay."),
+    UNSUPPORTED_MEDIA_TYPE: (
+        415,
+        None,
+        "Send the body as JSON with `Content-Type: application/json` (curl: -H 'Content-Type: application/json').",
+    ),
     TRAINING_JOB_ACTIVE: (
         409,
         None,

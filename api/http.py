@@ -10,6 +10,7 @@ from typing import Any
 from flask import Response, current_app, request
 from pydantic import BaseModel
 
+from api.errors import UNSUPPORTED_MEDIA_TYPE, ApiError
 from api.services import Services
 from kiln_train.errors import invalid_request
 
@@ -85,6 +86,16 @@ def json_body() -> tuple[Any, bytes]:
     JSON (NaN/Infinity, out-of-range numbers, duplicate keys, nesting too deep for the parser)
     or holds a string the job store cannot keep (NUL, lone surrogates), naming where. Reading
     an oversized body raises werkzeug's 413 first."""
+    mimetype = request.mimetype
+    if mimetype != "application/json" and not (
+        mimetype.startswith("application/") and mimetype.endswith("+json")
+    ):
+        # What a browser may send cross-site without a CORS preflight (form, multipart, text) is
+        # never a job: with no API tokens on loopback, a web page could otherwise queue one.
+        raise ApiError(
+            UNSUPPORTED_MEDIA_TYPE,
+            f"the request body must be JSON (Content-Type: application/json), not {mimetype or 'unlabelled'}",
+        )
     raw = request.get_data(cache=True)
     if not raw.strip():
         raise invalid_request("the request body is empty; send a JSON object")

@@ -97,7 +97,9 @@ def test_serve_runs_gunicorn_and_answers_health(tmp_path):
         # Submissions land on both workers; the counters are summed over the worker processes.
         body = json.dumps({"examples": [{"messages": [{"role": "user", "content": "a"}]}]}).encode()
         for _ in range(6):
-            request = urllib.request.Request(f"{url}/v1/train/sft", data=body, method="POST")
+            request = urllib.request.Request(
+                f"{url}/v1/train/sft", data=body, method="POST", headers={"Content-Type": "application/json"}
+            )
             with pytest.raises(urllib.error.HTTPError) as refused:
                 urllib.request.urlopen(request, timeout=5)
             assert refused.value.code == 503 and refused.value.headers["Retry-After"] == "10"
