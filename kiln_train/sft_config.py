@@ -159,7 +159,7 @@ class SftConfig(BaseModel):
     allow_high_lora_scale: bool = False
     output_name: str | None = None
     auto_load: bool = True
-    checkpoint_interval: int | None = Field(default=None, ge=1)
+    checkpoint_interval: int | None = Field(default=None, ge=1, le=U64_MAX)
     resume_checkpoint: str | None = None
     grad_checkpoint_segments: int | None = Field(default=None, ge=1)
     detect_anomaly: bool = False
@@ -191,6 +191,10 @@ class SftConfig(BaseModel):
     def _alpha(cls, v: float) -> float:
         if _finite("lora_alpha", v) <= 0.0:
             raise ValueError("lora_alpha must be positive")
+        if f32_round(v) <= 0.0:
+            # The LoRA scale alpha/rank multiplies f32 (or bf16) activations: an alpha that is 0
+            # in f32 would train an adapter whose update is always zero.
+            raise ValueError("lora_alpha must stay positive after conversion to f32")
         return v
 
     @field_validator("base_adapter", "output_name", "resume_checkpoint")
@@ -232,6 +236,11 @@ class SftConfig(BaseModel):
                 f"unsafe LoRA scaling: lora_alpha/lora_rank = {self.lora_alpha:g}/{self.lora_rank} = "
                 f"{ratio:g} exceeds {MAX_LORA_ALPHA_OVER_RANK:g}; lower lora_alpha or set "
                 "allow_high_lora_scale=true"
+            )
+        if f32_round(ratio) <= 0.0:
+            raise ValueError(
+                f"LoRA scale lora_alpha/lora_rank = {self.lora_alpha:g}/{self.lora_rank} is 0 in f32: the "
+                "adapter's update would always be zero; raise lora_alpha"
             )
         if self.adapter_smoke_prompts is not None and not self.adapter_smoke_test:
             raise ValueError("adapter_smoke_prompts requires adapter_smoke_test=true")

@@ -360,3 +360,28 @@ def test_every_name_check_matches_in_full():
         check_identifier("adapter_name", "adapter\n")
     assert check_adapter_name("adapter") == "adapter"
     check_identifier("adapter_name", "adapter")
+
+
+@pytest.mark.parametrize(
+    "fields, why",
+    [
+        ({"lora_alpha": 5e-324}, "after conversion to f32"),
+        ({"lora_alpha": 1e-46, "lora_rank": 1}, "after conversion to f32"),
+        ({"lora_alpha": 1.5e-45, "lora_rank": 64, "optimizer": {"kind": "sgd"}}, "is 0 in f32"),
+    ],
+)
+def test_a_lora_scale_that_is_zero_in_f32_is_rejected(fields, why):
+    rejects(fields, "lora_alpha", why)
+
+
+def test_the_smallest_f32_scale_is_accepted():
+    config = parse_sft_config({"lora_alpha": 1e-44, "lora_rank": 4})
+    assert config.alpha_over_rank > 0
+
+
+@pytest.mark.parametrize("value, ok", [(1, True), (2**64 - 1, True), (2**64, False), (0, False)])
+def test_checkpoint_interval_is_a_u64_of_at_least_one(value, ok):
+    if ok:
+        assert parse_sft_config({"checkpoint_interval": value}).checkpoint_interval == value
+    else:
+        rejects({"checkpoint_interval": value}, "checkpoint_interval")
