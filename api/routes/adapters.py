@@ -6,6 +6,7 @@ exact checkpoints as siblings `<name>-checkpoint-step-<8 digits>.kiln-checkpoint
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import shutil
@@ -17,6 +18,7 @@ from flask import Blueprint, Response, current_app
 from api import schemas
 from api.admission import lock_admissions
 from api.archive import stream_tar_gz
+from api.errors import INTERNAL_ERROR, ApiError
 from api.http import json_response, services
 from api.queries import active_jobs_for_adapter, jobs_warm_starting_from
 from api.views import RECEIPT_FILE, adapter_info, read_json_file
@@ -93,7 +95,14 @@ def receipt(name: str) -> Response:
     value, error = read_json_file(path)
     if value is None:
         raise KilnError(ADAPTER_NOT_FOUND, error or f"adapter {name!r} has no {RECEIPT_FILE}")
-    return current_app.response_class(path.read_bytes(), mimetype="application/json")
+    # Served from what was parsed (one read: the file may go between two), as strict JSON.
+    try:
+        body = json.dumps(value, ensure_ascii=False, allow_nan=False, indent=2)
+    except ValueError:
+        raise ApiError(
+            INTERNAL_ERROR, f"adapter {name!r}: {RECEIPT_FILE} holds NaN or Infinity, which is not JSON"
+        ) from None
+    return current_app.response_class(body, mimetype="application/json")
 
 
 @bp.delete("/v1/adapters/<name>")

@@ -90,6 +90,17 @@ def test_receipt(client, sessions, settings):
     assert missing.status_code == 404 and missing.get_json()["error"]["code"] == "adapter_not_found"
 
 
+def test_a_receipt_that_is_not_strict_json_is_an_explained_error(client, sessions, settings):
+    _publish(sessions, settings, "beta")
+    (settings.adapters_dir / "beta" / "train_receipt.json").write_text(
+        '{"final_loss": NaN}', encoding="utf-8"
+    )
+    response = client.get("/v1/adapters/beta/receipt")
+    assert response.status_code == 500
+    error = response.get_json()["error"]
+    assert error["code"] == "internal_error" and "NaN or Infinity" in error["message"]
+
+
 def test_delete_removes_the_adapter_and_its_checkpoints_only(client, sessions, settings):
     _publish(sessions, settings, "alpha")
     _publish(sessions, settings, "alpha-2", big=10)  # a name that shares the prefix
