@@ -8,6 +8,7 @@ no setting on purpose.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import tomllib
@@ -35,7 +36,34 @@ RETIRED_ENV = (
     "KILN_USE_TAPE_GDN_GATED_NORM",
 )
 
-_SECTION = ConfigDict(extra="forbid", validate_assignment=True)
+# Environment variables with the KILN_ prefix that are not settings: the client's (README "Client"),
+# docker compose's .env interpolation (.env.example) and the test suites'. Not warned about.
+NON_SETTING_ENV = (
+    CONFIG_ENV,
+    "KILN_API_URL",
+    "KILN_API_TOKEN",
+    "KILN_API_TOKENS",
+    "KILN_API_PORT",
+    "KILN_MODEL_NAME",
+    "KILN_GPU_DEVICE",
+    "KILN_TEST_POSTGRES_URL",
+)
+# Largest integer setting: fits a PostgreSQL integer and any timedelta / sleep (68 years of seconds).
+MAX_INT = 2**31 - 1
+
+_SECTION = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+def _not_blank(v: Any) -> Any:
+    """A text setting (host, queue, URL, path) given as blank or with a NUL is a mistake, not a value.
+
+    Runs before type validation: pydantic would turn "" into Path(".") (the working directory).
+    """
+    if isinstance(v, str) and not v.strip():
+        raise ValueError("must not be blank (leave it out for the default)")
+    if isinstance(v, str) and "\x00" in v:
+        raise ValueError("must not contain a NUL character")
+    return v
 
 
 class ServerSettings(BaseModel):
@@ -52,11 +80,26 @@ class ServerSettings(BaseModel):
     max_request_mb: float = Field(64.0, gt=0, description="Largest accepted request body, in MiB.")
     workers: int = Field(2, ge=1, le=64, description="gunicorn worker processes for `kiln serve`.")
 
+    _host = field_validator("host", mode="before")(_not_blank)
+
     @field_validator("api_tokens")
     @classmethod
     def _tokens(cls, v: list[str]) -> list[str]:
-        if any(not t.strip() for t in v):
-            raise ValueError("api tokens must not be blank")
+        for i, t in enumerate(v):
+            if not t.strip():
+                raise ValueError("api tokens must not be blank")
+            # The token travels as `Authorization: Bearer <token>`: the api strips the header value and
+            # reads it as latin-1, so whitespace or non-ASCII in a token makes it impossible to present.
+            if not all(33 <= ord(c) <= 126 for c in t):
+                raise ValueError(
+                    f"api token {i + 1} must be printable ASCII without spaces (it is sent in an "
+                    "Authorization: Bearer header)"
+                )
+            if len(t) >= 2 and t[0] == t[-1] and t[0] in "'\"":
+                raise ValueError(
+                    f"api token {i + 1} is wrapped in quotes, which would be part of the token; remove them "
+                    "(an env file passed to docker keeps quotes literally)"
+                )
         return v
 
 
@@ -69,6 +112,27 @@ class DatabaseSettings(BaseModel):
     )
     echo: bool = Field(False, description="Log every SQL statement.")
 
+    _url_text = field_validator("url", mode="before")(_not_blank)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError
+
+        # Only the form is checked here; an unknown dialect or driver is named when the database is
+        # opened (`kiln serve`, `kiln worker`, `kiln db upgrade`).
+        try:
+            make_url(v)
+        except ArgumentError:
+            raise ValueError(
+                "not a SQLAlchemy URL (dialect+driver://user:password@host/database, e.g. "
+                "postgresql+psycopg://kiln:secret@db/kiln or sqlite:////var/lib/kiln/kiln.db)"
+            ) from None
+        return v
+
 
 class QueueSettings(BaseModel):
     model_config = _SECTION
@@ -79,8 +143,24 @@ class QueueSettings(BaseModel):
     )
     queue_name: str = Field("gpu", min_length=1, description="Celery queue the GPU worker consumes.")
     visibility_timeout_s: int = Field(
-        172800, ge=60, description="Redis visibility timeout; must exceed the longest job."
+        172800, ge=60, le=MAX_INT, description="Redis visibility timeout; must exceed the longest job."
     )
+
+    _text = field_validator("broker_url", "queue_name", mode="before")(_not_blank)
+
+    @field_validator("broker_url")
+    @classmethod
+    def _broker(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        from kombu.transport import TRANSPORT_ALIASES
+
+        scheme, sep, _ = v.partition("://")
+        if not sep:
+            raise ValueError("not a broker URL (transport://..., e.g. redis://host:6379/0)")
+        if scheme.partition("+")[0] not in TRANSPORT_ALIASES:
+            raise ValueError(f"unknown broker transport {scheme!r} (use redis://host:6379/0)")
+        return v
 
 
 class StorageSettings(BaseModel):
@@ -90,6 +170,8 @@ class StorageSettings(BaseModel):
         description="Shared storage root: adapters/, datasets/, models/ (and the default SQLite files).",
     )
 
+    _root = field_validator("root", mode="before")(_not_blank)
+
 
 class ModelSettings(BaseModel):
     model_config = _SECTION
@@ -97,6 +179,8 @@ class ModelSettings(BaseModel):
         None, description="Hugging Face Qwen3.5 checkpoint directory; default <storage.root>/models/default."
     )
     device: str = Field("cpu", description="Device of the resident model: cpu, cuda or cuda:N.")
+
+    _path = field_validator("path", mode="before")(_not_blank)
 
     @field_validator("device")
     @classmethod
@@ -109,17 +193,30 @@ class ModelSettings(BaseModel):
 class TrainingSettings(BaseModel):
     model_config = _SECTION
     checkpoint_interval: int | None = Field(
-        None, ge=1, description="Default exact-checkpoint interval (steps) when a request omits it."
+        None,
+        le=MAX_INT,
+        ge=1,
+        description="Default exact-checkpoint interval (steps) when a request omits it.",
     )
-    max_queued_jobs: int = Field(32, ge=1, description="Queued jobs beyond this get 503 training_queue_full.")
+    max_queued_jobs: int = Field(
+        32, le=MAX_INT, ge=1, description="Queued jobs beyond this get 503 training_queue_full."
+    )
     max_tracked_jobs: int = Field(
-        1024, ge=1, description="Non-deleted jobs kept before 503 training_tracked_full."
+        1024, le=MAX_INT, ge=1, description="Non-deleted jobs kept before 503 training_tracked_full."
     )
-    lease_seconds: int = Field(120, ge=5, description="A running job whose lease is older is worker_lost.")
-    heartbeat_seconds: float = Field(5.0, gt=0, description="Runner and job heartbeat period.")
-    runner_stale_seconds: int = Field(60, ge=5, description="A runner silent this long is not alive.")
-    reconcile_interval_seconds: float = Field(30.0, gt=0, description="Period of the worker's reconciler.")
-    max_attempts: int = Field(3, ge=1, description="Deliveries of one job before it fails for good.")
+    lease_seconds: int = Field(
+        120, le=MAX_INT, ge=5, description="A running job whose lease is older is worker_lost."
+    )
+    heartbeat_seconds: float = Field(5.0, gt=0, le=MAX_INT, description="Runner and job heartbeat period.")
+    runner_stale_seconds: int = Field(
+        60, le=MAX_INT, ge=5, description="A runner silent this long is not alive."
+    )
+    reconcile_interval_seconds: float = Field(
+        30.0, gt=0, le=MAX_INT, description="Period of the worker's reconciler."
+    )
+    max_attempts: int = Field(
+        3, le=MAX_INT, ge=1, description="Deliveries of one job before it fails for good."
+    )
 
 
 class MemorySettings(BaseModel):
@@ -185,6 +282,7 @@ class LoadedSettings:
     settings: Settings
     sources: dict[str, str] = field(default_factory=dict)  # "section.field" -> where it came from
     config_file: Path | None = None
+    warnings: list[str] = field(default_factory=list)  # KILN_ variables that are not settings
 
     def effective(self) -> list[tuple[str, Any, str]]:
         rows = []
@@ -226,18 +324,32 @@ def _field_kind(section: str, name: str) -> str:
     return "scalar"
 
 
+def _nullable(section: str, name: str) -> bool:
+    return SECTIONS[section].model_fields[name].default is None
+
+
+def _env_name(section: str, name: str) -> str:
+    return f"{ENV_PREFIX}{section.upper()}_{name.upper()}"
+
+
 def _parse_env_value(section: str, name: str, raw: str) -> Any:
     kind = _field_kind(section, name)
+    env = _env_name(section, name)
     if kind == "list":
         raw = raw.strip()
-        if raw.startswith("["):
+        if raw.startswith(("[", "{")):
             try:
-                return json.loads(raw)
+                value = json.loads(raw)
             except ValueError as exc:
                 raise ConfigError(
-                    f"{ENV_PREFIX}{section.upper()}_{name.upper()}: not a JSON list ({exc}); write a JSON "
-                    "array of strings or comma-separated values"
+                    f"{env}: not a JSON list ({exc}); write a JSON array of strings or comma-separated values"
                 ) from None
+            if not isinstance(value, list):
+                raise ConfigError(
+                    f"{env}: a JSON {type(value).__name__} is not a list; write a JSON array of strings or "
+                    "comma-separated values"
+                )
+            return value
         return [p.strip() for p in raw.split(",") if p.strip()]
     if kind == "bool":
         low = raw.strip().lower()
@@ -245,21 +357,41 @@ def _parse_env_value(section: str, name: str, raw: str) -> Any:
             return True
         if low in ("0", "false", "no", "off"):
             return False
-        raise ConfigError(f"{ENV_PREFIX}{section.upper()}_{name.upper()}: expected a boolean, got {raw!r}")
-    if raw.strip().lower() in ("", "null", "none"):
-        return None
+        raise ConfigError(f"{env}: expected a boolean (true/false, 1/0, yes/no, on/off), got {raw!r}")
+    if _nullable(section, name):
+        if raw.strip().lower() in ("", "null", "none"):
+            return None
+    elif not raw.strip():
+        default = SECTIONS[section].model_fields[name].get_default(call_default_factory=True)
+        raise ConfigError(
+            f"{env}: empty value; unset the variable to use the default ({json.dumps(str(default))})"
+        )
     return raw
 
 
-def _env_overrides(environ: dict[str, str]) -> dict[tuple[str, str], tuple[Any, str]]:
+def _setting_env_names() -> list[str]:
+    return [_env_name(s, n) for s, model in SECTIONS.items() for n in model.model_fields]
+
+
+def _env_overrides(
+    environ: dict[str, str], warnings: list[str] | None = None
+) -> dict[tuple[str, str], tuple[Any, str]]:
+    """Settings from KILN_<SECTION>_<FIELD> variables.
+
+    A variable of a known section with an unknown field, or one that is a near miss of a setting's
+    name (KILN_SERVR_PORT), stops start-up like an unknown kiln.toml key: it was meant as a setting and
+    would otherwise be ignored silently. Any other KILN_ variable that is not a setting is reported
+    in `warnings` (it may belong to something else, e.g. a compose file's own variables).
+    """
     out: dict[tuple[str, str], tuple[Any, str]] = {}
+    names = _setting_env_names()
     for key in sorted(environ):
         if key in RETIRED_ENV:
             raise ConfigError(
                 f"{key}: this switch was removed without a replacement (the SFT loss route, tape and "
                 "rounding are backend-owned); delete it from the service definition"
             )
-        if not key.startswith(ENV_PREFIX) or key == CONFIG_ENV:
+        if not key.startswith(ENV_PREFIX) or key in NON_SETTING_ENV:
             continue
         rest = key[len(ENV_PREFIX) :]
         for section in SECTIONS:
@@ -270,12 +402,54 @@ def _env_overrides(environ: dict[str, str]) -> dict[tuple[str, str], tuple[Any, 
                     raise ConfigError(f"{key}: unknown setting {section}.{name}")
                 out[(section, name)] = (_parse_env_value(section, name, environ[key]), f"env:{key}")
                 break
+        else:
+            close = difflib.get_close_matches(key.upper(), names, n=1, cutoff=0.85)
+            if close:
+                raise ConfigError(f"{key}: not a Kiln setting; did you mean {close[0]}?")
+            if warnings is not None:
+                warnings.append(f"{key} is not a Kiln setting and is ignored")
     return out
+
+
+# TOML is typed: a value of the wrong TOML type is refused instead of coerced (port = true is not 1,
+# echo = "yes" is not true). Ints are accepted where a float is expected.
+_TOML_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,),
+    "float": (int, float),
+    "bool": (bool,),
+    "str": (str,),
+    "Path": (str,),
+    "list[str]": (list,),
+}
+
+
+def _toml_type_error(section: str, name: str, value: Any) -> str | None:
+    field_info = SECTIONS[section].model_fields[name]
+    ann = str(field_info.annotation)
+    base = next(
+        (k for k in ("list[str]", "bool", "float", "int", "Path", "str") if k in ann), None
+    )  # "bool" before "int": bool is an int in Python
+    if base is None or (value is None and field_info.default is None):
+        return None
+    allowed = _TOML_TYPES[base]
+    if isinstance(value, bool) and base != "bool" or not isinstance(value, allowed):
+        expected = {
+            "list[str]": "an array of strings",
+            "Path": "a string (a path)",
+            "int": "an integer",
+            "float": "a number",
+            "bool": "true or false",
+            "str": "a string",
+        }[base]
+        got = {bool: "a boolean", int: "an integer", float: "a float", str: "a string", list: "an array"}
+        got_type = got.get(type(value), f"a {type(value).__name__}")
+        return f"expected {expected}, got {got_type} ({value!r})"
+    return None
 
 
 def _toml_values(path: Path) -> dict[tuple[str, str], Any]:
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        data = tomllib.loads(path.read_text(encoding="utf-8-sig"))  # a byte-order mark is tolerated
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except OSError as exc:
@@ -291,6 +465,9 @@ def _toml_values(path: Path) -> dict[tuple[str, str], Any]:
         for name, value in table.items():
             if name not in SECTIONS[section].model_fields:
                 raise ConfigError(f"{path}: unknown key {section}.{name}")
+            problem = _toml_type_error(section, name, value)
+            if problem:
+                raise ConfigError(f"{path}: {section}.{name}: {problem}")
             out[(section, name)] = value
     return out
 
@@ -308,12 +485,10 @@ def load_settings(
     path: Path | None = None
     if config_file is not None:
         path = Path(config_file)
-        if not path.is_file():
-            raise ConfigError(f"--config {path}: no such file")
+        _check_config_file(f"--config {path}", path)
     elif environ.get(CONFIG_ENV):
         path = Path(environ[CONFIG_ENV])
-        if not path.is_file():
-            raise ConfigError(f"{CONFIG_ENV}={path}: no such file")
+        _check_config_file(f"{CONFIG_ENV}={path}", path)
     elif (cwd / DEFAULT_CONFIG_FILE).is_file():
         path = cwd / DEFAULT_CONFIG_FILE
 
@@ -323,7 +498,8 @@ def load_settings(
         for (s, n), v in _toml_values(path).items():
             values[s][n] = v
             sources[f"{s}.{n}"] = f"toml:{path}"
-    for (s, n), (v, src) in _env_overrides(environ).items():
+    warnings: list[str] = []
+    for (s, n), (v, src) in _env_overrides(environ, warnings).items():
         values[s][n] = v
         sources[f"{s}.{n}"] = src
     for dotted, v in (cli or {}).items():
@@ -343,7 +519,14 @@ def load_settings(
             origin = sources.get(".".join(str(p) for p in err["loc"][:2]), "default")
             problems.append(f"{loc} ({origin}): {err['msg']}")
         raise ConfigError("invalid configuration: " + "; ".join(problems)) from None
-    return LoadedSettings(settings=settings, sources=sources, config_file=path)
+    return LoadedSettings(settings=settings, sources=sources, config_file=path, warnings=warnings)
+
+
+def _check_config_file(what: str, path: Path) -> None:
+    if path.is_dir():
+        raise ConfigError(f"{what}: is a directory, not a kiln.toml file")
+    if not path.is_file():
+        raise ConfigError(f"{what}: no such file")
 
 
 def check_bind_safety(settings: Settings) -> None:

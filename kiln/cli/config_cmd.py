@@ -13,10 +13,13 @@ from kiln.settings import ConfigError, load_settings
 def load_or_exit(config_file: str | None, cli: dict | None = None):
     """Load settings for a command; a bad configuration stops with its path and reason."""
     try:
-        return load_settings(config_file, cli=cli)
+        loaded = load_settings(config_file, cli=cli)
     except ConfigError as exc:
         click.echo(f"kiln: configuration error: {exc}", err=True)
         sys.exit(2)
+    for warning in loaded.warnings:
+        click.echo(f"kiln: warning: {warning}", err=True)
+    return loaded
 
 
 def register(cli: click.Group) -> None:
