@@ -81,6 +81,10 @@ class WorkerRuntime:
         self.factory = store.session_factory(self.engine)
         self.celery = celery
         self.run: CurrentRun | None = None
+        # Held by a heartbeat from reading `run` until its lease renewal commits, and by whoever
+        # clears `run` to give the lease up: a heartbeat that read the run before the release
+        # must not renew the lease after the release expired it.
+        self.lease_lock = threading.Lock()
         # When this worker last finished handling a doorbell (None while it handles one): an idle
         # worker's reconciler rings again the doorbells the broker lost.
         self.idle_since: datetime | None = None
@@ -146,6 +150,11 @@ class WorkerRuntime:
 
     def heartbeat(self) -> None:
         free, _ = device_memory(self.resident.backend.device)
+        with self.lease_lock:
+            self._heartbeat_locked(free)
+        self.touch_heartbeat_file()
+
+    def _heartbeat_locked(self, free: int | None) -> None:
         run = self.run  # read once: the job may end (and the next begin) while we write
         with self.factory.begin() as s:
             store.heartbeat_runner(
@@ -162,7 +171,6 @@ class WorkerRuntime:
                 except store.LeaseLost:
                     log.warning("lease on job %s lost; the run stops at its next step", run.job_id)
                     run.lease_lost.set()
-        self.touch_heartbeat_file()
 
     def transact(self, write: Callable[[Session, bool], T]) -> T:
         """Run `write(session, retried)` in one transaction, retrying through a brief database
@@ -609,7 +617,8 @@ class WorkerRuntime:
     def _release_for_resume(self, job_id: str) -> str:
         """Worker shutdown mid-job: the checkpoint is written; expire our lease so the reconciler
         (here after a restart, or on another worker) resumes the job from it."""
-        self.run = None  # the heartbeat thread stops renewing the lease we are about to expire
+        with self.lease_lock:  # no heartbeat renews the lease we are about to expire
+            self.run = None
 
         def release(s: Session, _: bool) -> bool:
             try:
