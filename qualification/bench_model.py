@@ -220,7 +220,10 @@ def run_benchmark(args) -> None:
         results: dict[str, list[dict]] = {s: [] for s in sides}
         for _ in range(args.rounds):
             for side in sides:
-                results[side].append(_run(_worker_command(args, side, length, model_dir)))
+                r = _run(_worker_command(args, side, length, model_dir))
+                results[side].append(r)
+                # Each run as it ends, so a run cut off by a time limit still leaves the others.
+                print(f"#   done T={length} {side}: {json.dumps(r, sort_keys=True)}", flush=True)
         rows.append((length, results))
         for side in sides:
             r = results[side][-1]

@@ -10,7 +10,8 @@
 #      qualification stage on CUDA)
 #   2. kiln qualify adamw-pytorch-oracle-v1 --device cuda (receipt into OUT_DIR)
 #   3. bench_model.py --parity (bf16 logits and LoRA gradients vs transformers + PEFT on CUDA)
-#   4. bench_model.py at the real Qwen3.5-4B shape with random weights, T = 4096
+#   4. bench_model.py at the real Qwen3.5-4B shape with random weights, T = 4096 (ours, then
+#      transformers + PEFT, each under its own limit)
 #   5. memory_honesty.py on CUDA (estimate vs torch.cuda.max_memory_allocated)
 set -uo pipefail
 out=${1:?usage: gpu_checks.sh OUT_DIR}
@@ -41,7 +42,10 @@ stage pytest_gpu 130 python3 -m pytest -m gpu -v -p no:cacheprovider -o addopts=
 stage qualify_cuda 60 python3 -c "from kiln.cli.main import main; main()" \
     qualify adamw-pytorch-oracle-v1 --device cuda --out "$out"
 stage bench_parity 60 python3 qualification/bench_model.py --device cuda --parity
-stage bench_4b_t4096 140 python3 qualification/bench_model.py --device cuda --preset qwen35-4b-random \
-    --lengths 4096 --steps 3 --warmup 1 --rounds 1
+# Each side on its own limit: a slow transformers build must not take our figures with it.
+stage bench_4b_t4096 120 python3 qualification/bench_model.py --device cuda --preset qwen35-4b-random \
+    --lengths 4096 --steps 3 --warmup 1 --rounds 1 --sides ours
+stage bench_4b_t4096_transformers 150 python3 qualification/bench_model.py --device cuda \
+    --preset qwen35-4b-random --lengths 4096 --steps 3 --warmup 1 --rounds 1 --sides transformers
 stage memory_honesty_cuda 130 python3 qualification/memory_honesty.py --device cuda ${QUICK:+--quick}
 echo "=== done $(date -u +%T)"
