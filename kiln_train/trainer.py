@@ -416,12 +416,23 @@ class SftRun:
                 if progress is not None:
                     progress(report)
                 if should_stop is not None and lp.global_step < self.total_steps and should_stop():
-                    if not saved:
-                        self.write_checkpoint()
-                    raise TrainingFailure(
-                        "cancelled",
-                        f"training cancelled by user at global step {lp.global_step} of {self.total_steps}",
+                    stopped = (
+                        f"training cancelled by user at global step {lp.global_step} of {self.total_steps}"
                     )
+                    if not saved:
+                        try:
+                            self.write_checkpoint()
+                        except OSError as exc:
+                            # The stop is still honoured (a full or failing disk must not turn a
+                            # cancel or a warm shutdown into a crash); the run's latest earlier
+                            # checkpoint stays its resume point.
+                            raise TrainingFailure(
+                                "cancelled",
+                                f"{stopped}; the checkpoint at this step could not be written "
+                                f"({type(exc).__name__}: {exc}), so the latest earlier checkpoint, if "
+                                "any, is the resume point",
+                            ) from exc
+                    raise TrainingFailure("cancelled", stopped)
                 if epoch_done:
                     break
 

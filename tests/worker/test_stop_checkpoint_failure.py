@@ -1,0 +1,66 @@
+"""A stop whose checkpoint cannot be written (full or failing disk) is still a stop.
+
+The trainer honours the stop and ends `cancelled`, naming the write error; the run's latest earlier
+checkpoint stays its resume point. For a warm shutdown the worker then releases the job (resumed
+from that checkpoint, or failed `worker_lost` without one) instead of failing it for good as a
+`training_error`.
+"""
+
+from __future__ import annotations
+
+import errno
+
+import kiln_train.checkpoint as ckpt
+from tests.api.conftest import sft_body, unique_name
+from tests.kiln_train import trainer_fixtures as fx
+from tests.worker.test_runtime import event_kinds, job_row, submit
+
+
+def _enospc(*_args, **_kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_the_trainer_honours_a_stop_whose_checkpoint_fails(resident, monkeypatch, tmp_path):
+    ingestion = fx.ingest(resident, fx.conversations(3))
+    monkeypatch.setattr(ckpt, "publish_checkpoint", _enospc)
+    done = {"step": 0}
+
+    def progress(report):
+        done["step"] = report.global_step
+
+    result = fx.train(
+        resident,
+        fx.make_config(epochs=1),
+        ingestion,
+        tmp_path,
+        progress=progress,
+        should_stop=lambda: done["step"] >= 1,
+    )
+    assert result.status == "failed" and result.failure_reason == "cancelled"
+    assert result.global_step == 1
+    assert "could not be written (OSError: [Errno 28] No space left on device)" in result.failure_message
+    assert result.checkpoints == []
+    assert list(tmp_path.glob("*.kiln-checkpoint")) == []
+
+
+def test_a_warm_shutdown_whose_checkpoint_fails_releases_the_job(client, runtime, sessions, monkeypatch):
+    job_id = submit(client, sft_body(3, output_name=unique_name("enospc")))
+    monkeypatch.setattr(ckpt, "publish_checkpoint", _enospc)
+    original = runtime._on_step
+
+    def on_step(jid, report):
+        original(jid, report)
+        runtime.request_shutdown()
+
+    runtime._on_step = on_step
+    try:
+        outcome = runtime.run_job(job_id)
+    finally:
+        runtime._on_step = original
+        runtime.shutdown.clear()
+    assert outcome == "requeued"
+    job = job_row(sessions, job_id)
+    # No checkpoint was ever written, so the reconciler cannot resume it: worker_lost, not a
+    # training_error blamed on the job.
+    assert (job.state, job.failure_reason) == ("failed", "worker_lost")
+    assert "requeued" in event_kinds(sessions, job_id)
