@@ -163,7 +163,13 @@ def publish_adapter(
             rename_no_replace(staging, target)
         except FileExistsError:
             raise KilnError(ADAPTER_ALREADY_EXISTS, f"adapter {name!r} already exists") from None
-        fsync_dir(registry)
+        try:
+            fsync_dir(registry)
+        except OSError:
+            # Renamed but not made durable: the run fails, and a failed run leaves no adapter
+            # holding the name.
+            shutil.rmtree(target, ignore_errors=True)
+            raise
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -64,3 +64,20 @@ def test_a_warm_shutdown_whose_checkpoint_fails_releases_the_job(client, runtime
     # training_error blamed on the job.
     assert (job.state, job.failure_reason) == ("failed", "worker_lost")
     assert "requeued" in event_kinds(sessions, job_id)
+
+
+def test_an_adapter_whose_registry_fsync_fails_is_not_left_behind(resident, monkeypatch, tmp_path):
+    import kiln_train.adapter as adapter_io
+
+    real = adapter_io.fsync_dir
+
+    def failing(path):
+        if tmp_path.resolve() == type(tmp_path)(path).resolve():
+            raise OSError(errno.EIO, "Input/output error")
+        return real(path)
+
+    monkeypatch.setattr(adapter_io, "fsync_dir", failing)
+    result = fx.train(resident, fx.make_config(epochs=1), fx.ingest(resident, fx.conversations(2)), tmp_path)
+    assert result.status == "failed" and "Input/output error" in result.failure_message
+    assert not (tmp_path / result.adapter_name).exists()
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == []
