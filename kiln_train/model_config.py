@@ -223,12 +223,29 @@ DEFAULT_FULL_ATTENTION_INTERVAL = 4
 PLAIN_ROPE_TYPES = ("default", "mrope")
 
 
+# Sanity ceilings, far above any real Qwen3.5 (vocab 248320, hidden 5120, 64 layers): a config beyond
+# them is corrupt, and refusing it here keeps a vocab of 10**12 or 10**7 layers from reaching the
+# model constructor (a MemoryError, an overflow TypeError or minutes of building meta modules).
+MAX_VOCAB_SIZE = 1 << 24
+MAX_DIMENSION = 1 << 20
+MAX_LAYERS = 1024
+MAX_POSITIONS = 2**31 - 1
+FIELD_MAXIMA = {
+    "vocab_size": MAX_VOCAB_SIZE,
+    "num_hidden_layers": MAX_LAYERS,
+    "mtp_num_hidden_layers": MAX_LAYERS,
+    "full_attention_interval": MAX_LAYERS,
+    "max_position_embeddings": MAX_POSITIONS,
+}
+SUPPORTED_ACTIVATIONS = ("silu", "swish")
+
+
 class _ConfigFieldError(ValueError):
     pass
 
 
 def _int_field(d: dict, name: str, *, default=None, minimum: int = 1, where: str = "") -> int:
-    """An integer field (an integral float is accepted), at least `minimum`."""
+    """An integer field (an integral float is accepted), at least `minimum`, at most its ceiling."""
     value = d.get(name)
     if value is None:
         if default is None:
@@ -243,7 +260,26 @@ def _int_field(d: dict, name: str, *, default=None, minimum: int = 1, where: str
         raise _ConfigFieldError(f"field {name!r}{where} must be an integer, got {value!r}")
     if int(value) < minimum:
         raise _ConfigFieldError(f"field {name!r}{where} must be at least {minimum}, got {value!r}")
+    maximum = FIELD_MAXIMA.get(name, MAX_DIMENSION)
+    if int(value) > maximum:
+        raise _ConfigFieldError(
+            f"field {name!r}{where} is {int(value)}, beyond the largest supported value {maximum} "
+            "(a corrupt or foreign config.json)"
+        )
     return int(value)
+
+
+def _short_repr(value) -> str:
+    """repr() cut to a readable length (a corrupt config may hold a list of millions of entries)."""
+    import reprlib
+
+    short = reprlib.Repr()
+    short.maxlist = short.maxtuple = short.maxdict = 12
+    short.maxstring = short.maxother = 80
+    text = short.repr(value)
+    if isinstance(value, list | tuple) and len(value) > 12:
+        text += f" ({len(value)} entries)"
+    return text
 
 
 def _float_field(d: dict, name: str, default: float, *, where: str = "") -> float:
@@ -270,6 +306,13 @@ def _refuse_foreign(raw: dict, text: dict) -> None:
             raise backend_unsupported(
                 f"{scope} describes a Mixture-of-Experts model ({what}); only dense Qwen3.5 "
                 f"models (model_type {' / '.join(QWEN35_MODEL_TYPES)}) can be trained"
+            )
+        quant = d.get("quantization_config")
+        if quant not in (None, {}):
+            method = quant.get("quant_method") if isinstance(quant, dict) else None
+            raise backend_unsupported(
+                f"{scope} has a quantization_config (quant_method {method!r}): quantized checkpoints "
+                "are not supported; use the bf16 base checkpoint"
             )
         if model_type is not None and model_type not in QWEN35_MODEL_TYPES:
             raise backend_unsupported(
@@ -324,7 +367,7 @@ def parse_config(raw: dict) -> Qwen35Config:
         ):
             raise _ConfigFieldError(
                 f"field 'layer_types'{where} must list {layers} of {FULL_ATTENTION!r}/{LINEAR_ATTENTION!r}, "
-                f"got {layer_types!r}"
+                f"got {_short_repr(layer_types)}"
             )
         rope = _pick(text, "rope_parameters", "rope_scaling", default={})
         if not isinstance(rope, dict):
@@ -346,6 +389,17 @@ def parse_config(raw: dict) -> Qwen35Config:
             raise _ConfigFieldError(
                 f"partial_rotary_factor {prf} of head_dim {ints['head_dim']} gives rotary dim {rotary_dim}; "
                 "it must be even, with the factor in (0, 1]"
+            )
+        if rope_theta <= 0:
+            raise _ConfigFieldError(f"rope_theta {rope_theta}{where} must be positive")
+        act = text.get("hidden_act", "silu")
+        if act not in SUPPORTED_ACTIVATIONS:
+            # transformers builds the MLP from hidden_act; Kiln's Qwen3.5 MLP is SwiGLU (silu) only.
+            raise _ConfigFieldError(f"field 'hidden_act'{where} is {act!r}; only 'silu' is implemented")
+        if text.get("attention_bias") not in (None, False):
+            raise _ConfigFieldError(
+                f"field 'attention_bias'{where} is {text.get('attention_bias')!r}; Qwen3.5 attention has "
+                "no biases and Kiln implements none"
             )
         eps = _float_field(text, "rms_norm_eps", 1e-6, where=where)
         if eps <= 0:
@@ -395,7 +449,14 @@ def parse_config(raw: dict) -> Qwen35Config:
 
 
 def load_config(model_dir: str | Path) -> Qwen35Config:
-    path = Path(model_dir) / "config.json"
+    root = Path(model_dir)
+    if not root.exists():
+        raise backend_unsupported(f"model directory {model_dir} does not exist")
+    if not root.is_dir():
+        raise backend_unsupported(
+            f"model directory {model_dir} is not a directory (give the checkpoint's folder)"
+        )
+    path = root / "config.json"
     if not path.is_file():
         raise backend_unsupported(f"no config.json in model directory {model_dir}")
     try:

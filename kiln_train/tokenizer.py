@@ -16,6 +16,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+from kiln_train.errors import TRAINING_BACKEND_UNSUPPORTED, KilnError
+
 SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
     r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -169,6 +171,14 @@ def write_tokenizer(out_dir: str | Path, tok: Tokenizer | None = None) -> list[P
     return [tj, tc]
 
 
+class TokenizerFileError(KilnError):
+    """A `tokenizer.json` that exists but cannot be loaded (truncated, not UTF-8, not a tokenizer)."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(TRAINING_BACKEND_UNSUPPORTED, f"{path} is not a usable tokenizer.json: {reason}")
+        self.file = str(path)
+
+
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     """Load `tokenizer.json` from a model (or tokenizer) directory.
 
@@ -181,7 +191,10 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     path = path if path.suffix == ".json" else path / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"no tokenizer.json at {path}")
-    tok = Tokenizer.from_file(str(path))
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception for any malformed or unreadable file
+        raise TokenizerFileError(path, str(exc)) from None
     tok.no_truncation()
     tok.no_padding()
     return tok

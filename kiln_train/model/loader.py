@@ -76,16 +76,45 @@ def _shard_keys(path: Path) -> list[str]:
         ) from None
 
 
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    seen: dict = {}
+    for key, value in pairs:
+        if key in seen and seen[key] != value:
+            raise ValueError(f"key {key!r} appears twice, mapped to {seen[key]!r} and {value!r}")
+        seen[key] = value
+    return seen
+
+
+def _shard_path(model_dir: Path, key: str, name: str) -> Path:
+    """The shard file `name` of the index, which must be a plain file name inside `model_dir`.
+
+    transformers joins the name to the directory, so `../x.safetensors` or an absolute path would
+    read weights from elsewhere, which the checkpoint's identity (the digest of the directory's own
+    `*.safetensors` files) does not cover. A shard that is a symlink (the Hugging Face cache layout)
+    is fine: it is a file of the directory.
+    """
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
+        raise CheckpointError(
+            f"{INDEX_FILE} in {model_dir} maps tensor {key!r} to {name!r}, which is not a file name in the "
+            "model directory (shards must be plain file names next to the index)",
+            key,
+            INDEX_FILE,
+        )
+    return model_dir / name
+
+
 def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     """Tensor key -> the safetensors file holding it (every file's header is read and checked)."""
     index = model_dir / INDEX_FILE
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+            weight_map = json.loads(index.read_text(encoding="utf-8"), object_pairs_hook=_no_duplicate_keys)[
+                "weight_map"
+            ]
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, OSError) as exc:
             raise CheckpointError(
                 f"{INDEX_FILE} in {model_dir} has no valid weight_map: {exc}", file=INDEX_FILE
-            ) from exc
+            ) from None
         if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
         ):
@@ -97,7 +126,7 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
         files: dict[str, Path] = {}
         held: dict[str, set[str]] = {}
         for key, name in weight_map.items():
-            path = model_dir / name
+            path = _shard_path(model_dir, key, name)
             if name not in held:
                 if not path.is_file():
                     raise CheckpointError(
