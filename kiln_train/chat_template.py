@@ -33,7 +33,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from kiln_train.errors import backend_unsupported
+from kiln_train.errors import TRAINING_BACKEND_UNSUPPORTED, KilnError, backend_unsupported
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 INFERENCE_TEMPLATE_FILE = TEMPLATE_DIR / "qwen3_5_chat_template.jinja"
@@ -187,18 +187,59 @@ def chat_template_sha256(text: str | None = None) -> str:
     return sha256_text(official_chat_template() if text is None else text)
 
 
+class ChatTemplateSourceError(KilnError):
+    """A model directory's chat-template source that cannot be read as one template string
+    (`training_backend_unsupported`); `file` names the culprit file."""
+
+    def __init__(self, detail: str, file: str) -> None:
+        super().__init__(TRAINING_BACKEND_UNSUPPORTED, detail)
+        self.file = file
+
+
+_TEMPLATE_KINDS = {list: "a list of named templates", dict: "an object", bool: "a boolean", int: "a number"}
+
+
 def load_model_chat_template(model_dir: str | Path) -> str | None:
-    """A checkpoint's chat template: `chat_template.jinja`, else `tokenizer_config.json`'s field."""
+    """A checkpoint's chat template: `chat_template.jinja`, else `tokenizer_config.json`'s field
+    (None when neither holds one).
+
+    Undecodable text, a tokenizer_config.json that is not a JSON object, or a `chat_template` that
+    is not one string (a list of named templates, a number) raises `ChatTemplateSourceError` naming
+    the file and field, instead of a UnicodeDecodeError / AttributeError, or "no chat template".
+    """
     root = Path(model_dir)
     jinja_file = root / "chat_template.jinja"
     if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
+        try:
+            return jinja_file.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ChatTemplateSourceError(
+                f"chat_template.jinja in {root} is not UTF-8 text ({exc.reason} at byte {exc.start})",
+                jinja_file.name,
+            ) from None
     config_file = root / "tokenizer_config.json"
-    if config_file.is_file():
-        value = json.loads(config_file.read_text(encoding="utf-8")).get("chat_template")
-        if isinstance(value, str):
-            return value
-    return None
+    if not config_file.is_file():
+        return None
+    try:
+        data = json.loads(config_file.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ChatTemplateSourceError(
+            f"tokenizer_config.json in {root} is not readable JSON: {exc}", config_file.name
+        ) from None
+    if not isinstance(data, dict):
+        raise ChatTemplateSourceError(
+            f"tokenizer_config.json in {root} must be a JSON object, got {type(data).__name__}",
+            config_file.name,
+        )
+    template = data.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        kind = _TEMPLATE_KINDS.get(type(template), "a number")
+        raise ChatTemplateSourceError(
+            f"tokenizer_config.json in {root}: field 'chat_template' is {kind}, not a template "
+            "string; Kiln trains under one official Qwen3.5 template (ship it as chat_template.jinja)",
+            config_file.name,
+        )
+    return template
 
 
 @lru_cache(maxsize=1)

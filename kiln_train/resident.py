@@ -7,7 +7,6 @@ worker re-verifies at dequeue.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,52 +78,6 @@ def _check_tokenizer_fits_vocabulary(tokenizer, vocab_size: int, model_dir: Path
         )
 
 
-def _check_template_sources(model_dir: Path) -> None:
-    """The files the chat template comes from must be readable, or the load stops naming them.
-
-    `chat_template.jinja` wins; without it, `tokenizer_config.json`'s `chat_template` string is the
-    template. Undecodable text, a tokenizer_config.json that is not a JSON object, or a
-    `chat_template` that is not one string (a list of named templates, a number) is refused here,
-    naming the file and field, instead of surfacing as a UnicodeDecodeError / AttributeError, or as
-    "no chat template".
-    """
-    from kiln_train.model.loader import CheckpointError
-
-    jinja = model_dir / "chat_template.jinja"
-    if jinja.is_file():
-        try:
-            jinja.read_bytes().decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise CheckpointError(
-                f"chat_template.jinja in {model_dir} is not UTF-8 text ({exc.reason} at byte {exc.start})",
-                file=jinja.name,
-            ) from None
-        return
-    config = model_dir / "tokenizer_config.json"
-    if not config.is_file():
-        return
-    try:
-        data = json.loads(config.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise CheckpointError(
-            f"tokenizer_config.json in {model_dir} is not readable JSON: {exc}", file=config.name
-        ) from None
-    if not isinstance(data, dict):
-        raise CheckpointError(
-            f"tokenizer_config.json in {model_dir} must be a JSON object, got {type(data).__name__}",
-            file=config.name,
-        )
-    template = data.get("chat_template")
-    if template is not None and not isinstance(template, str):
-        kinds = {list: "a list of named templates", dict: "an object", bool: "a boolean", int: "a number"}
-        kind = kinds.get(type(template), "a number")
-        raise CheckpointError(
-            f"tokenizer_config.json in {model_dir}: field 'chat_template' is {kind}, not a template "
-            "string; Kiln trains under one official Qwen3.5 template (ship it as chat_template.jinja)",
-            file=config.name,
-        )
-
-
 def load_resident(
     model_dir: str | Path,
     *,
@@ -142,7 +95,6 @@ def load_resident(
     model = load_model(model_dir, device=backend.device)
     tokenizer = load_tokenizer(model_dir)
     _check_tokenizer_fits_vocabulary(tokenizer, model.config.vocab_size, model_dir)
-    _check_template_sources(model_dir)
     template = select_training_template(load_model_chat_template(model_dir))
     identity = model_identity(model_dir, "sha256:" + template.sha256)
     shards = base_weight_shard_manifest(model_dir)

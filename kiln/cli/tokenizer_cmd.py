@@ -18,6 +18,7 @@ from pathlib import Path
 
 import click
 
+from kiln_train.errors import KilnError
 from kiln_train.tokenizer import (
     SPECIAL_TOKENS,
     build_tokenizer,
@@ -58,6 +59,9 @@ def cached_tokenizer(root: Path | None = None):
             return load_tokenizer(directory)
     except OSError as exc:
         log.warning("cannot read the tokenizer cache %s (%s); building the tokenizer", directory, exc)
+    except KilnError as exc:  # a damaged cache entry (truncated write, disk error): rebuild it
+        log.warning("the tokenizer cache %s is damaged (%s); rebuilding it", directory, exc.message)
+        shutil.rmtree(directory, ignore_errors=True)
     tok = build_tokenizer()
     staging: Path | None = None
     try:

@@ -109,6 +109,26 @@ def test_inspect_refuses_a_foreign_chat_template(runner, model_dir):
     assert "not an official Qwen3.5 template" in result.output
 
 
+@pytest.mark.parametrize(
+    "write, needle",
+    [
+        (lambda d: (d / "chat_template.jinja").write_bytes(b"\xff{{ x }}"), "chat_template.jinja in"),
+        (
+            lambda d: (
+                (d / "chat_template.jinja").unlink(),
+                (d / "tokenizer_config.json").write_text('{"chat_template": 5}', encoding="utf-8"),
+            ),
+            "field 'chat_template' is a number",
+        ),
+    ],
+)
+def test_inspect_names_an_unreadable_template_source(runner, model_dir, write, needle):
+    write(model_dir)
+    result = runner.invoke(cli, ["data", "inspect", str(DEMO), "--model", str(model_dir)])
+    assert result.exit_code == 2
+    assert needle in result.output and "Traceback" not in result.output
+
+
 def test_inspect_without_model_uses_the_tokenizer_cache(
     runner, tmp_path, monkeypatch, qwen_tokenizer, data_file
 ):

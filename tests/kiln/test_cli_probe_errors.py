@@ -270,6 +270,21 @@ def test_an_unwritable_tokenizer_cache_builds_without_caching(tmp_path, qwen_tok
     assert "cannot write the tokenizer cache" in caplog.text
 
 
+def test_a_damaged_tokenizer_cache_entry_is_rebuilt(tmp_path, qwen_tokenizer, monkeypatch, caplog):
+    """A truncated or corrupt cached tokenizer.json is a cache miss, not a failed start-up."""
+    monkeypatch.setattr(tokenizer_cmd, "build_tokenizer", lambda: qwen_tokenizer)
+    root = tmp_path / "cache"
+    tokenizer_cmd.cached_tokenizer(root=root)
+    (cached,) = root.glob("*/tokenizer.json")
+    cached.write_text('{"model": {"type": "BPE", "vocab": {', encoding="utf-8")  # truncated
+    tok = tokenizer_cmd.cached_tokenizer(root=root)
+    assert tok.encode("hello world").ids == qwen_tokenizer.encode("hello world").ids
+    assert "is damaged" in caplog.text
+    # Rebuilt in place: the next process loads it from the cache again.
+    assert tokenizer_cmd.cached_tokenizer(root=root).encode("hi").ids == qwen_tokenizer.encode("hi").ids
+    assert cached.stat().st_size > 1_000_000
+
+
 # ----- Ctrl-C while the api has not answered ------------------------------------------------------
 
 

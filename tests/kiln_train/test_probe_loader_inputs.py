@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kiln_train.chat_template import ChatTemplateSourceError, load_model_chat_template
 from kiln_train.errors import TRAINING_BACKEND_UNSUPPORTED, KilnError
 from kiln_train.model import load_model
-from kiln_train.model.loader import CheckpointError
 from kiln_train.model_config import parse_config
 from kiln_train.resident import load_resident
 from kiln_train.tiny import text_config, wrapper_config, write_tiny_checkpoint
@@ -274,9 +274,14 @@ def test_unreadable_template_sources_are_named_by_load_resident(full, tmp_path, 
     "the model directory has no chat template" for a tokenizer_config.json that has one."""
     dest = copy(full, tmp_path / "m")
     mutate(dest)
-    with pytest.raises(CheckpointError) as err:
+    with pytest.raises(ChatTemplateSourceError) as err:
         load_resident(dest)
     assert needle in err.value.message and err.value.file in ("chat_template.jinja", "tokenizer_config.json")
+    assert err.value.code == "training_backend_unsupported"
+    # The same reading serves `kiln data inspect --model` (torch-free): the same named error.
+    with pytest.raises(ChatTemplateSourceError) as again:
+        load_model_chat_template(dest)
+    assert again.value.message == err.value.message
 
 
 def test_memory_stays_small_for_a_refused_config(ckpt, tmp_path):
