@@ -76,7 +76,8 @@ SUB = {
              "model_config_hash", "kiln_env_config_hash"]
     ),
 }  # fmt: skip
-ADDITIVE = {"runtime": ["peak_memory_bytes", "cpu_threads"]}  # allowed within version 1, after the contract's fields
+# allowed within version 1, after the contract's fields
+ADDITIVE = {"runtime": ["peak_memory_bytes", "cpu_threads"]}
 INGESTION = [
     "schema", "source", "source_locator", "invalid_row_policy", "rows_read", "rows_kept",
     "rows_rejected", "kept_row_hashes", "rejected_rows", "kept_corpus_sha256",
