@@ -136,7 +136,7 @@ ADAPTER_NAME = {  # output_name / base_adapter (api.admission.adapter_name_probl
     "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$",
     "not": {"anyOf": [{"pattern": "\\.kiln-checkpoint$"}, {"pattern": "-checkpoint-step-"}]},
 }
-# Finite and still finite and positive after rounding to f32 (sft_config._lr): half the smallest
+# Finite and still finite and positive after rounding to f32 (sft_config._lr, _alpha): half the smallest
 # subnormal rounds to 0, half an ulp above the largest f32 rounds to infinity.
 F32_POSITIVE = {
     "type": "number",
@@ -168,7 +168,7 @@ REQUEST_CONSTRAINTS: dict[str, dict[str, dict]] = {
     },
     "SftConfig": {
         "learning_rate": _nullable(F32_POSITIVE),
-        "lora_alpha": {"type": "number", "exclusiveMinimum": 0},
+        "lora_alpha": F32_POSITIVE,
         "train_mtp": _nullable({"const": False, "description": "true is refused by the server (400)."}),
         "base_adapter": _nullable(ADAPTER_NAME),
         "output_name": _nullable(ADAPTER_NAME),

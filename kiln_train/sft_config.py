@@ -191,10 +191,11 @@ class SftConfig(BaseModel):
     def _alpha(cls, v: float) -> float:
         if _finite("lora_alpha", v) <= 0.0:
             raise ValueError("lora_alpha must be positive")
-        if f32_round(v) <= 0.0:
+        r = f32_round(v)
+        if not math.isfinite(r) or r <= 0.0:
             # The LoRA scale alpha/rank multiplies f32 (or bf16) activations: an alpha that is 0
-            # in f32 would train an adapter whose update is always zero.
-            raise ValueError("lora_alpha must stay positive after conversion to f32")
+            # or infinite in f32 would train an adapter that never moves or only overflows.
+            raise ValueError("lora_alpha must stay finite and positive after conversion to f32")
         return v
 
     @field_validator("base_adapter", "output_name", "resume_checkpoint")

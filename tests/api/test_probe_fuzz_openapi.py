@@ -177,8 +177,15 @@ def test_request_number_bounds_hold_at_their_edges(client):
     assert not _accepted(_with(learning_rate=high)) and _accepted(
         _with(learning_rate=math.nextafter(high, 0))
     )
-    assert config["lora_alpha"]["exclusiveMinimum"] == 0
-    assert not _accepted(_with(lora_alpha=0.0)) and _accepted(_with(lora_alpha=5e-324))
+    alpha = config["lora_alpha"]
+    assert (alpha["exclusiveMinimum"], alpha["exclusiveMaximum"]) == (low, high)
+    # Rank 1 (SGD: Muon needs 2) so that alpha/rank is alpha itself; high alpha needs the opt-in.
+    tiny = {"lora_rank": 1, "optimizer": {"kind": "sgd"}, "allow_high_lora_scale": True}
+    assert not _accepted(_with(lora_alpha=0.0)) and not _accepted(_with(lora_alpha=5e-324, **tiny))
+    assert not _accepted(_with(lora_alpha=low, **tiny))
+    assert _accepted(_with(lora_alpha=math.nextafter(low, 1), **tiny))
+    assert not _accepted(_with(lora_alpha=high, **tiny))
+    assert _accepted(_with(lora_alpha=math.nextafter(high, 0), **tiny))
     (seed_int,) = [s for s in config["seed"]["anyOf"] if s.get("type") == "integer"]
     assert (seed_int["minimum"], seed_int["maximum"]) == (0, U64_MAX)
     assert _accepted(_with(seed=U64_MAX)) and not _accepted(_with(seed=U64_MAX + 1))
