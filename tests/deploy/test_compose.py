@@ -43,7 +43,9 @@ def host_ips(ports: list) -> set[str]:
 
 def render(*files: Path) -> dict:
     tool = shutil.which("docker-compose")
-    assert tool, "docker-compose (Debian package docker-compose) is required: .ci/run installs it"
+    assert tool, (
+        "docker-compose (Debian package docker-compose) is required: scripts/test installs it when run as root with apt-get"
+    )
     args = [tool, "--env-file", str(ROOT / ".env.example")]
     for f in files:
         args += ["-f", str(f)]
