@@ -12,7 +12,7 @@ labels). Each conversation is about T tokens long, most of them assistant tokens
   parameters; per step `model(input_ids, labels=labels).loss.backward(); opt.step();
   opt.zero_grad()` -- the standard Hugging Face loss on dense logits.
 
-Each (side, T) runs in its own subprocess so peak RSS (`ru_maxrss`, which includes model loading
+Each (side, T) runs in its own subprocess so peak RSS (`VmHWM`, which includes model loading
 on both sides) is clean; rounds alternate the sides so background load hits both alike. The
 table reports the median wall step time, the median CPU time per step (less sensitive to a shared
 machine), tokens/s from each, peak RSS and the ratios ours/theirs. Targets at T ~ 4,000:
@@ -90,6 +90,12 @@ def conversation(target_tokens: int, index: int, tokenizer) -> dict:
 
 
 def peak_rss_mib() -> float:
+    """This process's peak RSS (VmHWM). Not ru_maxrss: that keeps the forking driver's size
+    across exec, which inflated both sides by the driver's RSS."""
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
