@@ -10,9 +10,6 @@ must give. Here Kiln's ingestion must reproduce the text, every token id and eve
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import json
-from pathlib import Path
 
 import pytest
 
@@ -20,31 +17,19 @@ from kiln_train.chat_template import training_chat_template_sha256
 from kiln_train.ingestion import iter_example_outcomes
 from kiln_train.labels import IGNORE_INDEX, MASK_CONTRACT
 from kiln_train.tokenizer import vocabulary_file
+from tests.kiln_train.oracle_support import labels_from, load_fixture, oracle_module
 
-REPO = Path(__file__).resolve().parents[2]
-FIXTURE = REPO / "qualification" / "fixtures" / "qwen35_sft_conversations_v1.json"
-ORACLE_SCRIPT = REPO / "qualification" / "sft_template_oracle.py"
+FIXTURE_NAME = "qwen35_sft_conversations_v1.json"
 
 
 @pytest.fixture(scope="module")
 def fixture():
-    return json.loads(FIXTURE.read_text(encoding="utf-8"))
+    return load_fixture(FIXTURE_NAME)
 
 
 @pytest.fixture(scope="module")
 def oracle_script():
-    """The oracle script as a module: its generator runs without Transformers or TRL."""
-    spec = importlib.util.spec_from_file_location("sft_template_oracle", ORACLE_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def labels_from(input_ids: list[int], ranges: list[list[int]]) -> list[int]:
-    labels = [IGNORE_INDEX] * len(input_ids)
-    for a, b in ranges:
-        labels[a:b] = input_ids[a:b]
-    return labels
+    return oracle_module("sft_template_oracle")
 
 
 def strings(value):

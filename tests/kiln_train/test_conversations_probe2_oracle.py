@@ -19,9 +19,7 @@ edge rows, each with its reason.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -32,30 +30,19 @@ from kiln_train.conversation import parse_example
 from kiln_train.ingestion import ingest_examples, iter_example_outcomes, iter_jsonl_outcomes
 from kiln_train.labels import IGNORE_INDEX, MASK_CONTRACT
 from kiln_train.row_identity import parsed_row_sha256
+from tests.kiln_train.oracle_support import labels_from, load_fixture, oracle_module
 
-REPO = Path(__file__).resolve().parents[2]
-FIXTURE = REPO / "qualification" / "fixtures" / "qwen35_sft_probe2_v1.json"
-ORACLE_SCRIPT = REPO / "qualification" / "sft_template_oracle.py"
+FIXTURE_NAME = "qwen35_sft_probe2_v1.json"
 
 
 @pytest.fixture(scope="module")
 def fixture():
-    return json.loads(FIXTURE.read_text(encoding="utf-8"))
+    return load_fixture(FIXTURE_NAME)
 
 
 @pytest.fixture(scope="module")
 def oracle_script():
-    spec = importlib.util.spec_from_file_location("sft_template_oracle_probe2", ORACLE_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def labels_from(input_ids: list[int], ranges: list[list[int]]) -> list[int]:
-    labels = [IGNORE_INDEX] * len(input_ids)
-    for a, b in ranges:
-        labels[a:b] = input_ids[a:b]
-    return labels
+    return oracle_module("sft_template_oracle_probe2")
 
 
 def test_header_and_rows_are_the_documented_generator_s(fixture, oracle_script):
