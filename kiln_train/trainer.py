@@ -521,12 +521,13 @@ def train_sft(
     """
     # A resumed run computes with the intra-op thread count its checkpoint recorded: CPU matmul
     # and reduction kernels split work by thread count, so any other count changes the bits.
-    recorded = recorded_cpu_threads(resume_checkpoint) if resume_checkpoint is not None else None
+    aux = recorded_aux(resume_checkpoint) if resume_checkpoint is not None else {}
+    recorded = recorded_cpu_threads(aux)
     if resume_checkpoint is not None and checkpoint_plan is None:
         # A library resume re-derives the per-row segment plan from the checkpoint's own record
         # (an auto plan depends on the budget its first admission saw). The service pins it at
         # admission instead (api.admission adopts the same record).
-        checkpoint_plan = recorded_checkpoint_plan(resume_checkpoint)
+        checkpoint_plan = recorded_checkpoint_plan(aux)
     with intra_op_threads(recorded):
         return _train_sft(
             resident,
@@ -549,7 +550,7 @@ def train_sft(
 MAX_RECORDED_THREADS = 1024
 
 
-def _recorded_aux(resume_checkpoint: str | Path) -> dict:
+def recorded_aux(resume_checkpoint: str | Path) -> dict:
     """A checkpoint manifest's `auxiliary_state`, read leniently ({} where it cannot be read: the
     strict loader, which runs before any training, then names what is wrong with it)."""
     try:
@@ -560,18 +561,18 @@ def _recorded_aux(resume_checkpoint: str | Path) -> dict:
     return aux if isinstance(aux, dict) else {}
 
 
-def recorded_checkpoint_plan(resume_checkpoint: str | Path) -> dict | None:
+def recorded_checkpoint_plan(aux: dict) -> dict | None:
     """The pinned gradient checkpoint plan a checkpoint's run used, or None (absent or malformed:
     the default plan then applies and the strict comparison reports any drift)."""
-    plan = _recorded_aux(resume_checkpoint).get(ckpt.CHECKPOINT_PLAN_AUX_KEY)
+    plan = aux.get(ckpt.CHECKPOINT_PLAN_AUX_KEY)
     if isinstance(plan, dict) and set(plan) == set(ckpt.CHECKPOINT_PLAN_KEYS):
         return dict(plan)
     return None
 
 
-def recorded_cpu_threads(resume_checkpoint: str | Path) -> int | None:
+def recorded_cpu_threads(aux: dict) -> int | None:
     """The intra-op thread count a checkpoint's run used, or None where it cannot be read."""
-    runtime = _recorded_aux(resume_checkpoint).get("backend_runtime")
+    runtime = aux.get("backend_runtime")
     value = runtime.get("cpu_threads") if isinstance(runtime, dict) else None
     if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_RECORDED_THREADS:
         return value

@@ -9,7 +9,7 @@ import pytest
 
 from kiln_train.checkpoint import CheckpointError, load_checkpoint, publish_checkpoint
 from kiln_train.checkpoint.rules import checkpoint_plan_problem
-from kiln_train.trainer import recorded_checkpoint_plan
+from kiln_train.trainer import recorded_aux, recorded_checkpoint_plan
 from kiln_train.trainer_support import recorded_plan
 
 from .test_checkpoint_support import artifacts, draft
@@ -71,7 +71,7 @@ def test_a_valid_plan_record_loads_and_is_read_back(tmp_path):
     published = publish_checkpoint(tmp_path, draft(7, gradient_checkpoint_plan=plan), artifacts(7))
     loaded = load_checkpoint(published.path)
     assert loaded.manifest.auxiliary_state["gradient_checkpoint_plan"] == plan
-    assert recorded_checkpoint_plan(published.path) == plan
+    assert recorded_checkpoint_plan(recorded_aux(published.path)) == plan
 
 
 @pytest.mark.parametrize(
@@ -79,4 +79,4 @@ def test_a_valid_plan_record_loads_and_is_read_back(tmp_path):
 )
 def test_a_library_resume_without_a_readable_record_uses_the_default_plan(tmp_path, aux):
     (tmp_path / "checkpoint_manifest.json").write_text(json.dumps({"auxiliary_state": aux}), encoding="utf-8")
-    assert recorded_checkpoint_plan(tmp_path) is None
+    assert recorded_checkpoint_plan(recorded_aux(tmp_path)) is None

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln_train.trainer import intra_op_threads, recorded_cpu_threads, train_sft
+from kiln_train.trainer import intra_op_threads, recorded_aux, recorded_cpu_threads, train_sft
 from tests.kiln_train import trainer_fixtures as fx
 from tests.kiln_train.trainer_fixtures import conversations, ingest, make_config, read_json
 
@@ -79,7 +79,7 @@ def test_thread_count_changes_the_bits_and_a_resume_uses_the_recorded_count(resi
     ckpt = stopped_root / f"{NAME}-checkpoint-step-{STOP:08d}.kiln-checkpoint"
     manifest = read_json(ckpt / "checkpoint_manifest.json")
     assert manifest["auxiliary_state"]["backend_runtime"]["cpu_threads"] == 2
-    assert recorded_cpu_threads(ckpt) == 2
+    assert recorded_cpu_threads(recorded_aux(ckpt)) == 2
 
     # Resume in a process running 1 thread: the continuation runs with 2 and equals straight2.
     with intra_op_threads(1):
@@ -116,14 +116,14 @@ def test_thread_count_changes_the_bits_and_a_resume_uses_the_recorded_count(resi
 def test_recorded_thread_count_is_read_only_when_it_is_a_sane_integer(tmp_path, value, expected):
     body = {"auxiliary_state": {"backend_runtime": {"cpu_threads": value}}}
     (tmp_path / "checkpoint_manifest.json").write_text(json.dumps(body), encoding="utf-8")
-    assert recorded_cpu_threads(tmp_path) == expected
+    assert recorded_cpu_threads(recorded_aux(tmp_path)) == expected
 
 
 @pytest.mark.parametrize("content", [None, "not json", "[]", '{"auxiliary_state": 3}', "\udcff"])
 def test_an_unreadable_manifest_leaves_the_count_to_the_strict_loader(tmp_path, content):
     if content is not None:
         (tmp_path / "checkpoint_manifest.json").write_bytes(content.encode("utf-8", "surrogateescape"))
-    assert recorded_cpu_threads(tmp_path) is None
+    assert recorded_cpu_threads(recorded_aux(tmp_path)) is None
 
 
 def test_a_resume_refused_by_the_loader_restores_the_thread_count(resident, setup, tmp_path):
