@@ -7,7 +7,9 @@ At worker start and periodically:
   published its adapter, resumed from its newest recorded exact checkpoint that validates on disk
   (newer ones it published but never recorded are withdrawn: the resumed run writes and records
   them again), otherwise failed with `worker_lost`; a job that
-  already used up its deliveries is failed too. A job whose owner is provably alive is left alone.
+  already used up its deliveries is failed too. A job whose owner is provably alive is left alone;
+- hidden work directories in the adapter registry that outlived the process that made them
+  (SIGKILL, OOM kill or power loss mid-publication, a deletion whose rmtree failed) are deleted.
 Every transition is a conditional UPDATE, so two reconcilers racing do no harm.
 """
 
@@ -15,8 +17,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -36,6 +40,15 @@ PUBLISH_GRACE_SECONDS = 5.0
 # A worker idle this long while a published job stays queued concludes that job's doorbell was
 # lost (an idle worker takes a waiting message within moments) and rings it again.
 LOST_DOORBELL_SECONDS = 60.0
+# Hidden directories in the adapter registry are work in progress: a publication's staging dir
+# (adapter or checkpoint, `.<name>.incomplete-<id>`), a withdrawal (`.withdrawn-<hex>-<name>`) or
+# a deletion's trash (`.trash-<hex>`). The process that made one removes it; one that outlived its
+# process is deleted once nothing in it has changed for this long (a live publication writes and
+# renames within seconds; the margin covers a slow network filesystem).
+ABANDONED_AFTER_SECONDS = 3600.0
+_HIDDEN_WORK = re.compile(
+    r"\.(?:.+\.incomplete-[0-9a-f-]+|withdrawn-[0-9a-f]{32}-.+|trash-[0-9a-f]{32})", re.S
+)
 
 
 class Reconciler:
@@ -44,10 +57,11 @@ class Reconciler:
 
     def run_once(self) -> dict:
         """One pass; returns counts of what it did (for logs and tests)."""
-        done = {"republished": 0, "resumed": 0, "failed": 0, "completed": 0}
+        done = {"republished": 0, "resumed": 0, "failed": 0, "completed": 0, "swept": 0}
         done["failed"] += self._expire_leases(done)
         done["republished"] += self._republish()
         done["republished"] += self._ring_lost_doorbells()
+        done["swept"] += len(sweep_abandoned(self.runtime.settings.adapters_dir))
         return done
 
     def _ring_lost_doorbells(self) -> int:
@@ -306,6 +320,52 @@ def _written_by(path: Path, lost: LostJob) -> bool:
         and _bare(manifest.data.content_sha256) == _bare(lost.kept_corpus_sha256)
         and manifest.progress.total_steps == lost.total_steps
     )
+
+
+def sweep_abandoned(
+    directory: Path, *, older_than: float | None = None, now: float | None = None
+) -> list[str]:
+    """Delete the hidden work directories in `directory` (see `_HIDDEN_WORK`) in which nothing
+    has changed for `older_than` seconds (default `ABANDONED_AFTER_SECONDS`); returns their
+    names. Anything else is left alone: published adapters and checkpoints, other hidden files,
+    symlinks."""
+    older_than = ABANDONED_AFTER_SECONDS if older_than is None else older_than
+    now = time.time() if now is None else now
+    try:
+        entries = sorted(directory.iterdir())
+    except OSError:
+        return []
+    swept = []
+    for entry in entries:
+        if not _HIDDEN_WORK.fullmatch(entry.name):
+            continue
+        try:
+            if entry.is_symlink() or not entry.is_dir() or now - _last_change(entry) < older_than:
+                continue
+        except OSError:
+            continue  # gone meanwhile: its owner finished with it
+        shutil.rmtree(entry, ignore_errors=True)
+        if os.path.lexists(entry):
+            log.warning("could not delete the abandoned work directory %s", entry)
+            continue
+        log.warning("deleted %s: abandoned by a process that did not finish with it", entry)
+        swept.append(entry.name)
+    return swept
+
+
+def _last_change(root: Path) -> float:
+    """The newest modification or status change of `root` and everything under it (symlinks are
+    not followed; ctime also moves on a rename into the tree, and no one can set it back)."""
+    st = root.lstat()
+    newest = max(st.st_mtime, st.st_ctime)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in (*dirnames, *filenames):
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except FileNotFoundError:
+                continue
+            newest = max(newest, st.st_mtime, st.st_ctime)
+    return newest
 
 
 def withdraw(path: Path) -> None:
