@@ -10,7 +10,7 @@ from datetime import datetime
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from kiln.store import Admission, Job, Runner, possible_job_id, states, utcnow
+from kiln.store import Admission, Job, Runner, possible_job_id, states
 
 
 def _summary_columns() -> list:
@@ -126,10 +126,10 @@ def newest_runner(session: Session) -> Runner | None:
     return session.scalars(select(Runner).order_by(Runner.heartbeat_at.desc()).limit(1)).first()
 
 
-def heartbeat_age_seconds(runner: Runner | None, now: datetime | None = None) -> float | None:
+def heartbeat_age_seconds(runner: Runner | None, now: datetime) -> float | None:
     if runner is None:
         return None
-    return max(0.0, ((now or utcnow()) - runner.heartbeat_at).total_seconds())
+    return max(0.0, (now - runner.heartbeat_at).total_seconds())
 
 
 def terminal_jobs(session: Session) -> list[Job]:

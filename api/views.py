@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from api import schemas
-from kiln.store import Adapter, Admission, Job, JobEvent, Runner, TrainingStep, states, utcnow
+from kiln.store import Adapter, Admission, Job, JobEvent, Runner, TrainingStep, states
 from kiln_train import memory_formulas
 from kiln_train.checkpoint import CheckpointError, read_checkpoint_manifest
 
@@ -120,9 +120,10 @@ def _status_fields(job: Job, summary: dict | None, position: int | None, now: da
 
 
 def training_status(
-    job: Job, summary: dict | None, position: int | None, now: datetime | None = None
+    job: Job, summary: dict | None, position: int | None, now: datetime
 ) -> schemas.TrainingStatus:
-    return schemas.TrainingStatus(**_status_fields(job, summary, position, now or utcnow()))
+    """`now` is the store's clock (`store_now`), the one that stamped the job's times."""
+    return schemas.TrainingStatus(**_status_fields(job, summary, position, now))
 
 
 def training_response(job: Job, summary: dict, message: str) -> schemas.TrainingResponse:
@@ -221,9 +222,8 @@ def job_detail(
     steps: list[TrainingStep],
     latest: Path | None,
     adapters_dir: Path,
-    now: datetime | None = None,
+    now: datetime,
 ) -> schemas.TrainingJobDetail:
-    now = now or utcnow()
     receipt, metadata_error = job.receipt, None
     if receipt is None and job.state == states.COMPLETED:
         receipt, metadata_error = read_json_file(adapters_dir / job.adapter_name / RECEIPT_FILE)
@@ -256,7 +256,7 @@ def event_out(event: JobEvent) -> schemas.JobEventOut:
     )
 
 
-def runner_summary(runner: Runner | None, now: datetime | None = None) -> schemas.RunnerSummary | None:
+def runner_summary(runner: Runner | None, now: datetime) -> schemas.RunnerSummary | None:
     if runner is None:
         return None
     return schemas.RunnerSummary(
@@ -268,7 +268,7 @@ def runner_summary(runner: Runner | None, now: datetime | None = None) -> schema
         base_weight_dtype=runner.base_weight_dtype,
         model_path=runner.model_path,
         execution_identity_digest=runner.execution_identity_digest,
-        heartbeat_age_s=max(0.0, ((now or utcnow()) - runner.heartbeat_at).total_seconds()),
+        heartbeat_age_s=max(0.0, (now - runner.heartbeat_at).total_seconds()),
         free_memory_bytes=runner.free_memory_bytes,
         total_memory_bytes=runner.total_memory_bytes,
         current_job_id=runner.current_job_id,

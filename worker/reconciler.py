@@ -75,10 +75,11 @@ class Reconciler:
         idle_since = getattr(rt, "idle_since", None)
         if rt.celery is None or idle_since is None or rt.shutdown.is_set():
             return 0
-        cutoff = store.utcnow() - timedelta(seconds=LOST_DOORBELL_SECONDS)
-        if idle_since > cutoff:
+        idle_for = LOST_DOORBELL_SECONDS
+        if idle_since > store.utcnow() - timedelta(seconds=idle_for):  # our own clock: a duration
             return 0  # busy until recently: a waiting message may still be on its way to us
         with rt.factory.begin() as s:
+            cutoff = store.store_now(s) - timedelta(seconds=idle_for)  # the clock that stamped them
             lost = [(j.id, j.published_at) for j in store.stale_doorbells(s, older_than=cutoff)]
         count = 0
         for job_id, seen in lost:
@@ -112,8 +113,8 @@ class Reconciler:
         if rt.celery is None:
             return 0
         if job_ids is None:
-            cutoff = store.utcnow() - timedelta(seconds=PUBLISH_GRACE_SECONDS)
             with rt.factory.begin() as s:
+                cutoff = store.store_now(s) - timedelta(seconds=PUBLISH_GRACE_SECONDS)
                 job_ids = [j.id for j in store.unpublished_jobs(s, older_than=cutoff)]
         count = 0
         for job_id in job_ids:

@@ -9,7 +9,7 @@ from api import schemas
 from api.http import json_response, services
 from api.views import checkpoint_boundary_policy, runner_summary, serving_profile
 from kiln.settings import Settings
-from kiln.store import live_runner
+from kiln.store import live_runner, store_now
 from kiln_train.optimizer_support import native_training_supported, native_training_unavailable_reason
 
 bp = Blueprint("config", __name__)
@@ -45,6 +45,7 @@ def config_view() -> Response:
     svc = services()
     with svc.sessions() as session:
         runner = live_runner(session, svc.settings.training.runner_stale_seconds)
+        now = store_now(session)
     report = runner.optimizer_support if runner is not None else None
     data = public_settings(svc.settings)
     training = schemas.TrainingConfigOut(
@@ -58,7 +59,7 @@ def config_view() -> Response:
         schemas.ConfigResponse(
             **data,
             training=training,
-            runner=runner_summary(runner),
+            runner=runner_summary(runner, now),
             serving_profile=serving_profile(),
         )
     )

@@ -13,7 +13,7 @@ from api import schemas
 from api.errors import DATABASE_UNAVAILABLE, ApiError
 from api.http import json_response, services
 from api.views import checkpoint_boundary_policy, runner_summary, serving_profile
-from kiln.store import count_queued, live_runner
+from kiln.store import count_queued, live_runner, store_now
 from kiln_train.optimizer_support import native_training_supported
 
 log = logging.getLogger(__name__)
@@ -30,6 +30,7 @@ def health() -> Response:
             session.execute(text("SELECT 1"))
             runner = live_runner(session, svc.settings.training.runner_stale_seconds)
             depth = count_queued(session)
+            now = store_now(session)
     except SQLAlchemyError as exc:
         log.warning("health: the job database is unreachable: %s", exc)
         raise ApiError(DATABASE_UNAVAILABLE, f"the job database ({svc.dialect}) is unreachable") from None
@@ -39,7 +40,7 @@ def health() -> Response:
         schemas.HealthResponse(
             status="ok",
             database=schemas.DatabaseHealth(ok=True, dialect=svc.dialect),
-            runner=runner_summary(runner),
+            runner=runner_summary(runner, now),
             execution_identity=runner.execution_identity_digest if runner is not None else None,
             base_weight_identity=base,
             queue_depth=depth,

@@ -7,7 +7,7 @@ from flask import Blueprint, Response
 from api.http import services
 from api.metrics import CONTENT_TYPE
 from api.queries import heartbeat_age_seconds, jobs_by_state, newest_runner, unpublished_count
-from kiln.store import count_queued, live_runner
+from kiln.store import count_queued, live_runner, store_now
 
 bp = Blueprint("metrics", __name__)
 
@@ -23,7 +23,7 @@ def metrics() -> Response:
                 "queue_depth": count_queued(session),
                 "unpublished": unpublished_count(session),
                 "runner": live_runner(session, svc.settings.training.runner_stale_seconds) is not None,
-                "heartbeat_age_s": heartbeat_age_seconds(newest_runner(session)),
+                "heartbeat_age_s": heartbeat_age_seconds(newest_runner(session), store_now(session)),
             }
 
     return Response(svc.metrics.render(snapshot), content_type=CONTENT_TYPE)

@@ -11,7 +11,7 @@ from api import schemas
 from api.http import json_response, services
 from api.queries import admission_summaries
 from api.views import training_status
-from kiln.store import CANCELLED, list_jobs, request_cancel, states, utcnow
+from kiln.store import CANCELLED, list_jobs, request_cancel, states, store_now
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ def queue_view() -> Response:
         # moment (Postgres), so a job claimed or finished between them would vanish from the
         # answer or appear twice.
         jobs = list_jobs(session)
+        now = store_now(session)
         running = [j for j in jobs if j.state == states.RUNNING]
         finished = [j for j in jobs if j.state in states.TERMINAL_STATES]
         summaries = admission_summaries(session, [j.id for j in (*running, *finished)])
@@ -37,7 +38,6 @@ def queue_view() -> Response:
     finished.sort(
         key=lambda j: (j.finished_at is not None, j.finished_at or _NEVER, j.queue_seq), reverse=True
     )
-    now = utcnow()
     running_out = [training_status(j, summaries.get(j.id), None, now) for j in running]
     return json_response(
         schemas.QueueResponse(

@@ -63,6 +63,7 @@ from kiln.store.models import (
     Runner,
     TrainingStep,
     UtcDateTime,
+    store_now,
     utcnow,
 )
 from kiln.store.queue import count_queued, count_tracked, list_queued, queue_position, queue_positions
@@ -149,6 +150,7 @@ __all__ = [
     "states",
     "step_recorded",
     "stop_runner",
+    "store_now",
     "unpublished_jobs",
     "upgrade_database",
     "utcnow",

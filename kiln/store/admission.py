@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from kiln.store import states
 from kiln.store.errors import IdempotencyKeyTaken
 from kiln.store.events import append_event
-from kiln.store.models import QUEUE_SEQ, Admission, Job, utcnow
+from kiln.store.models import QUEUE_SEQ, Admission, Job, store_now
 
 # Columns only the store sets: admission may not choose them.
 _STORE_OWNED = frozenset(
@@ -72,7 +72,7 @@ def insert_admitted_job(
     owned = _STORE_OWNED & set(job_fields)
     if owned:
         raise ValueError(f"admission may not set store-owned job columns: {sorted(owned)}")
-    now = utcnow()
+    now = store_now(session)
     fields = dict(job_fields)
     job_id = fields.pop("id", None) or new_job_id()
     fields.setdefault("submitted_at", now)
@@ -121,7 +121,7 @@ def mark_published(session: Session, job_id: str, now: datetime | None = None) -
     result = session.execute(
         update(Job)
         .where(Job.id == job_id, Job.published_at.is_(None))
-        .values(published_at=now or utcnow())
+        .values(published_at=now or store_now(session))
         .execution_options(synchronize_session=False)
     )
     return result.rowcount == 1

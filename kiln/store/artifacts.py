@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from kiln.store import states
 from kiln.store.events import append_event
-from kiln.store.models import Adapter, Checkpoint, Job, TrainingStep, utcnow
+from kiln.store.models import Adapter, Checkpoint, Job, TrainingStep, store_now
 from kiln_train.errors import ADAPTER_ALREADY_EXISTS, ADAPTER_NOT_FOUND, KilnError
 
 
@@ -41,7 +41,7 @@ def record_checkpoint(
         manifest_sha256=manifest_sha256,
         size_bytes=size_bytes,
         write_ms=write_ms,
-        created_at=utcnow(),
+        created_at=store_now(session),
     )
     session.add(checkpoint)
     session.flush()
@@ -117,7 +117,7 @@ def register_adapter(
     adapter.rank = rank
     adapter.alpha = alpha
     adapter.base_model_sha256 = base_model_sha256
-    adapter.created_at = utcnow()
+    adapter.created_at = store_now(session)
     adapter.deleted_at = None
     session.add(adapter)
     session.flush()
@@ -143,6 +143,6 @@ def delete_adapter(session: Session, name: str) -> Adapter:
     adapter = get_adapter(session, name)
     if adapter is None:
         raise KilnError(ADAPTER_NOT_FOUND, f"no adapter named {name!r}")
-    adapter.deleted_at = utcnow()
+    adapter.deleted_at = store_now(session)
     session.flush()
     return adapter

@@ -17,7 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from kiln.store import states
-from kiln.store.models import Job, JobEvent, utcnow
+from kiln.store.models import Job, JobEvent, store_now
 
 MAX_EVENT_PAGE = 1000
 
@@ -37,7 +37,9 @@ def append_event(
     if session.get_bind().dialect.name == "postgresql":
         # Held until commit (a no-op when this transaction already updated the job row).
         session.execute(select(Job.id).where(Job.id == job_id).with_for_update())
-    event = JobEvent(job_id=job_id, kind=kind, level=level, message=message, data=data, created_at=utcnow())
+    event = JobEvent(
+        job_id=job_id, kind=kind, level=level, message=message, data=data, created_at=store_now(session)
+    )
     session.add(event)
     session.flush()
     return event

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from kiln.store import states
 from kiln.store.errors import InvalidTransition, LeaseLost
 from kiln.store.events import append_event
-from kiln.store.models import Admission, Job, TrainingStep, UtcDateTime, utcnow
+from kiln.store.models import Admission, Job, TrainingStep, UtcDateTime, store_now
 from kiln_train.errors import (
     TRAINING_JOB_ALREADY_STARTED,
     TRAINING_JOB_NOT_CANCELLABLE,
@@ -83,7 +83,7 @@ def claim_job(session: Session, job_id: str, worker_id: str, lease_seconds: floa
     cancelled one or a finished one all see zero rows and get None. A job the reconciler put
     back to `queued` for a resume (resume_checkpoint set) is claimed the same way.
     """
-    now = utcnow()
+    now = store_now(session)
     result = session.execute(
         update(Job)
         .where(Job.id == job_id, Job.state == states.QUEUED, Job.cancel_requested == false())
@@ -116,7 +116,7 @@ def renew_lease(session: Session, job_id: str, worker_id: str, lease_seconds: fl
 
     Raises `LeaseLost` when the job is no longer running under this worker.
     """
-    now = utcnow()
+    now = store_now(session)
     return _touch_running(
         session,
         job_id,
@@ -144,7 +144,7 @@ def record_step(
     Extends the lease too when `lease_seconds` is given. Returns whether a cancel was requested
     (the trainer checks it each step); raises `LeaseLost` when the worker no longer owns the job.
     """
-    now = utcnow()
+    now = store_now(session)
     values: dict[str, Any] = {
         "global_step": global_step,
         "current_epoch": epoch,
@@ -223,7 +223,7 @@ def finish_job(
         raise ValueError("a failed job needs a failure_reason")
     if state not in states.TERMINAL_STATES:
         raise ValueError(f"finish_job ends a job completed or failed, not {state!r}")
-    now = utcnow()
+    now = store_now(session)
     optional = {
         "failure_reason": failure_reason,
         "error_code": error_code,
@@ -283,7 +283,7 @@ def request_cancel(session: Session, job_id: str) -> str:
         ).scalar_one_or_none()
     if observed is None:
         raise KilnError(TRAINING_JOB_NOT_FOUND, f"no training job {job_id!r}")
-    now = utcnow()
+    now = store_now(session)
     if observed == states.QUEUED:
         message = "cancelled before it started"
         result = session.execute(
@@ -332,7 +332,7 @@ def delete_job(session: Session, job_id: str) -> Job:
     result = session.execute(
         update(Job)
         .where(Job.id == job_id, Job.state.in_(states.TERMINAL_STATES), Job.deleted_at.is_(None))
-        .values(deleted_at=utcnow())
+        .values(deleted_at=store_now(session))
         .execution_options(synchronize_session=False)
     )
     if result.rowcount != 1:

@@ -33,6 +33,8 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     false,
+    func,
+    select,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -72,8 +74,21 @@ class UtcDateTime(TypeDecorator[datetime]):
 
 
 def utcnow() -> datetime:
-    """The store's clock: an aware UTC datetime."""
+    """This process's clock: an aware UTC datetime (local durations; rows are stamped with
+    `store_now`)."""
     return datetime.now(UTC)
+
+
+def store_now(session: Any) -> datetime:
+    """The job store's clock, an aware UTC datetime, for every timestamp written to or compared
+    with a row. On PostgreSQL it is the server's `clock_timestamp()`: the api, the workers and
+    their reconcilers may run on different hosts, and one clock means a host whose clock is off
+    can neither expire a live worker's lease (running its job twice) nor keep a dead one's alive,
+    and durations between rows stamped by different hosts stay true. On SQLite (embedded: one
+    host) it is this process's clock."""
+    if session.get_bind().dialect.name == "postgresql":
+        return session.execute(select(func.clock_timestamp())).scalar_one().astimezone(UTC)
+    return utcnow()
 
 
 def _in(values: tuple[str, ...]) -> str:

@@ -20,7 +20,7 @@ from kiln.store.artifacts import get_checkpoint, register_adapter
 from kiln.store.errors import InvalidTransition
 from kiln.store.events import append_event
 from kiln.store.jobs import get_job
-from kiln.store.models import Checkpoint, Job, JobEvent, Runner, TrainingStep, utcnow
+from kiln.store.models import Checkpoint, Job, JobEvent, Runner, TrainingStep, store_now
 
 
 def unpublished_jobs(session: Session, older_than: datetime) -> list[Job]:
@@ -56,7 +56,7 @@ def restamp_published(session: Session, job_id: str, seen: datetime, now: dateti
     result = session.execute(
         update(Job)
         .where(Job.id == job_id, Job.state == states.QUEUED, Job.published_at == seen)
-        .values(published_at=now or utcnow())
+        .values(published_at=now or store_now(session))
         .execution_options(synchronize_session=False)
     )
     return result.rowcount == 1
@@ -82,7 +82,7 @@ def expired_leases(
     the job from a live one would run it twice). A dead worker's last heartbeat predates its last
     lease expiry, so its jobs are not held back.
     """
-    now = now or utcnow()
+    now = now or store_now(session)
     query = select(Job).where(Job.state == states.RUNNING, Job.lease_expires_at < now)
     if owner_fresh_seconds is not None:
         owner_alive = (
@@ -106,7 +106,7 @@ def requeue_for_resume(session: Session, job_id: str, checkpoint: str, now: date
     dropped (the resumed run records them again); the job gets a new place at the back of the queue and is
     unpublished until the reconciler republishes it. A job with a cancel request is not
     resumed (fail it with `fail_worker_lost`)."""
-    now = now or utcnow()
+    now = now or store_now(session)
     row = get_checkpoint(session, job_id, checkpoint)
     if row is None:
         raise ValueError(f"job {job_id}: no recorded checkpoint {checkpoint!r}")
@@ -161,7 +161,7 @@ def requeue_for_resume(session: Session, job_id: str, checkpoint: str, now: date
 def fail_worker_lost(session: Session, job_id: str, now: datetime | None = None) -> Job:
     """Fail a job whose lease expired: `failure_reason = worker_lost`, or `cancelled` when a
     cancel had been requested (the run was going to end cancelled anyway)."""
-    now = now or utcnow()
+    now = now or store_now(session)
     job = get_job(session, job_id, include_deleted=True)
     if job is None:
         raise InvalidTransition(job_id, "fail an expired lease", None)
@@ -211,7 +211,7 @@ def complete_lost_job(
     """Complete a job whose worker was lost after it published the adapter but before it recorded
     that: the adapter is registered and the job ends `completed` (guarded like the other
     reconciler transitions: running, lease expired)."""
-    now = now or utcnow()
+    now = now or store_now(session)
     job = get_job(session, job_id, include_deleted=True)
     if job is None:
         raise InvalidTransition(job_id, "complete a lost job", None)

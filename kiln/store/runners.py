@@ -14,7 +14,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from kiln.store import states
-from kiln.store.models import Runner, utcnow
+from kiln.store.models import Runner, store_now
 
 _UNCHANGED: Any = object()
 
@@ -41,7 +41,7 @@ def register_runner(
     """Insert or replace the runner row for worker `runner_id`, with a fresh start and heartbeat."""
     if state not in states.RUNNER_STATES:
         raise ValueError(f"runner state must be one of {states.RUNNER_STATES}, got {state!r}")
-    now = utcnow()
+    now = store_now(session)
     runner = session.get(Runner, runner_id, populate_existing=True) or Runner(id=runner_id)
     runner.hostname = hostname
     runner.pid = pid
@@ -75,7 +75,7 @@ def heartbeat_runner(
 ) -> bool:
     """Refresh a runner's heartbeat (and whatever else is given); False when it is unknown or
     stopped. Pass `current_job_id=None` to clear the job it runs."""
-    values: dict[str, Any] = {"heartbeat_at": utcnow()}
+    values: dict[str, Any] = {"heartbeat_at": store_now(session)}
     if free_memory_bytes is not _UNCHANGED:
         values["free_memory_bytes"] = free_memory_bytes
     if state is not _UNCHANGED:
@@ -96,7 +96,7 @@ def heartbeat_runner(
 def live_runner(session: Session, stale_after_seconds: float, now: datetime | None = None) -> Runner | None:
     """The ready or busy runner with the most recent heartbeat, if it beat within
     `stale_after_seconds`; None means nobody can take jobs (503 with Retry-After)."""
-    cutoff = (now or utcnow()) - timedelta(seconds=stale_after_seconds)
+    cutoff = (now or store_now(session)) - timedelta(seconds=stale_after_seconds)
     query = (
         select(Runner)
         .where(Runner.state.in_(states.RUNNER_LIVE_STATES), Runner.heartbeat_at >= cutoff)
@@ -116,7 +116,7 @@ def stop_runner(session: Session, runner_id: str) -> bool:
     result = session.execute(
         update(Runner)
         .where(Runner.id == runner_id)
-        .values(state=states.RUNNER_STOPPED, current_job_id=None, heartbeat_at=utcnow())
+        .values(state=states.RUNNER_STOPPED, current_job_id=None, heartbeat_at=store_now(session))
         .execution_options(synchronize_session=False)
     )
     return result.rowcount == 1
