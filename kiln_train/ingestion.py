@@ -338,28 +338,19 @@ def _back(pending: list[_Pending], tokenizer, t: IngestionTimings) -> list[RowOu
     out = []
     for p, enc in zip(pending, encodings, strict=True):
         if isinstance(enc, str):
+            problem: str | None = f"tokenizer: {enc}"
+        elif len(enc.ids) < 2:
+            problem = f"the rendered conversation has {len(enc.ids)} token(s); at least 2 are required"
+        else:
+            problem = None
+        if problem is not None:
             out.append(
                 RowOutcome(
-                    p.row_index,
-                    p.row_sha256,
-                    rendered=p.rendered,
-                    reason=TOKENIZATION_ERROR,
-                    detail=f"tokenizer: {enc}",
+                    p.row_index, p.row_sha256, rendered=p.rendered, reason=TOKENIZATION_ERROR, detail=problem
                 )
             )
             continue
         ids = enc.ids
-        if len(ids) < 2:
-            out.append(
-                RowOutcome(
-                    p.row_index,
-                    p.row_sha256,
-                    rendered=p.rendered,
-                    reason=TOKENIZATION_ERROR,
-                    detail=f"the rendered conversation has {len(ids)} token(s); at least 2 are required",
-                )
-            )
-            continue
         labels = build_labels(ids, token_ranges(enc, p.rendered.spans))
         if labels.supervised_tokens == 0:
             out.append(
