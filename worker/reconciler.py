@@ -46,6 +46,7 @@ LOST_DOORBELL_SECONDS = 60.0
 # process is deleted once nothing in it has changed for this long (a live publication writes and
 # renames within seconds; the margin covers a slow network filesystem).
 ABANDONED_AFTER_SECONDS = 3600.0
+_UNREMOVABLE: set[Path] = set()  # abandoned work directories already reported as undeletable
 _HIDDEN_WORK = re.compile(
     r"\.(?:.+\.incomplete-[0-9a-f-]+|withdrawn-[0-9a-f]{32}-.+|trash-[0-9a-f]{32})", re.S
 )
@@ -347,7 +348,9 @@ def sweep_abandoned(
             continue  # gone meanwhile: its owner finished with it
         shutil.rmtree(entry, ignore_errors=True)
         if os.path.lexists(entry):
-            log.warning("could not delete the abandoned work directory %s", entry)
+            if entry not in _UNREMOVABLE:  # once, not every pass
+                _UNREMOVABLE.add(entry)
+                log.warning("could not delete the abandoned work directory %s; delete it by hand", entry)
             continue
         log.warning("deleted %s: abandoned by a process that did not finish with it", entry)
         swept.append(entry.name)

@@ -169,3 +169,19 @@ def test_only_the_hidden_work_names_are_swept(tmp_path, name):
     (tmp_path / name).mkdir()
     assert sweep_abandoned(tmp_path, older_than=0.0, now=time.time() + 60) == []
     assert (tmp_path / name).is_dir()
+
+
+def test_an_undeletable_directory_is_reported_once_and_left(tmp_path, monkeypatch, caplog):
+    stuck = tmp_path / f".stuck.incomplete-{'12' * 16}"
+    stuck.mkdir()
+    (stuck / "part").write_bytes(b"p")
+    monkeypatch.setattr(reconciler_mod.shutil, "rmtree", lambda *a, **k: None)  # EPERM, EBUSY ...
+    later = time.time() + ABANDONED_AFTER_SECONDS + 60
+    with caplog.at_level("WARNING", logger="worker.reconciler"):
+        assert sweep_abandoned(tmp_path, now=later) == []
+        assert sweep_abandoned(tmp_path, now=later) == []
+    reports = [r.getMessage() for r in caplog.records if "could not delete" in r.getMessage()]
+    assert reports == [f"could not delete the abandoned work directory {stuck}; delete it by hand"]
+    assert (stuck / "part").read_bytes() == b"p"
+    monkeypatch.undo()
+    assert sweep_abandoned(tmp_path, now=later) == [stuck.name]
