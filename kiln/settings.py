@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ENV_PREFIX = "KILN_"
 CONFIG_ENV = "KILN_CONFIG"
@@ -51,6 +51,8 @@ NON_SETTING_ENV = (
 # Largest integer setting: fits a PostgreSQL integer and any timedelta / sleep (68 years of seconds).
 MAX_INT = 2**31 - 1
 
+# A job's lease spans this many heartbeats, so a renewal or two may be late without losing it.
+HEARTBEATS_PER_LEASE = 3
 _SECTION = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
@@ -217,6 +219,25 @@ class TrainingSettings(BaseModel):
     max_attempts: int = Field(
         3, le=MAX_INT, ge=1, description="Deliveries of one job before it fails for good."
     )
+
+    @model_validator(mode="after")
+    def _timings_agree(self) -> TrainingSettings:
+        """A lease must outlive a few missed heartbeats, and a runner is only judged silent after
+        it missed at least one: otherwise a live worker's jobs are taken from it and run twice."""
+        beats = HEARTBEATS_PER_LEASE
+        if self.heartbeat_seconds * beats > self.lease_seconds:
+            raise ValueError(
+                f"heartbeat_seconds ({self.heartbeat_seconds:g}) must be at most lease_seconds / {beats} "
+                f"({self.lease_seconds / beats:g}): a lease that a single late heartbeat lets expire "
+                "hands a live worker's job to another one"
+            )
+        if self.runner_stale_seconds < 2 * self.heartbeat_seconds:
+            raise ValueError(
+                f"runner_stale_seconds ({self.runner_stale_seconds}) must be at least twice "
+                f"heartbeat_seconds ({self.heartbeat_seconds:g}): a runner is silent only after it "
+                "missed a heartbeat"
+            )
+        return self
 
 
 class MemorySettings(BaseModel):

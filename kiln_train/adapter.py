@@ -8,6 +8,7 @@ without a key remap.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from kiln_train.checkpoint.fs import fsync_dir, rename_no_replace, write_new_file
 from kiln_train.errors import ADAPTER_ALREADY_EXISTS, INVALID_ADAPTER_NAME, KilnError, TrainingFailure
+from kiln_train.fencing import Fence, fenced_rename, grab_leftover, put_back
 from kiln_train.model_config import LORA_TARGET_MODULES, Qwen35Config
 from kiln_train.provenance import file_digest, sha256_prefixed
 
@@ -28,6 +30,7 @@ ADAPTER_MANIFEST = "adapter_manifest.json"
 CANARY_STATUS = "adapter_canary_status.json"
 PEFT_PREFIX = "base_model.model.model."
 ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")  # matched in full
+log = logging.getLogger(__name__)
 _KEY_RE = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|linear_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
 )
@@ -116,20 +119,22 @@ def publish_adapter(
     build_receipt: Callable[[dict], dict],
     build_manifest: Callable[[dict, dict], dict],
     extra_files: dict[str, bytes] | None = None,
+    fence: Fence | None = None,
 ) -> Path:
     """Write the adapter in a hidden staging directory, then rename it to `registry/name`.
 
     `build_receipt(output_identity)` gets `{path, adapter_model_sha256, adapter_model_bytes}` and
     returns the receipt; `build_manifest(receipt, file_hashes)` returns `adapter_manifest.json`.
-    Never overwrites: an existing name raises `adapter_already_exists`.
+    Never overwrites: an existing name raises `adapter_already_exists`, unless the `fence` (checked
+    around the rename, see `kiln_train.fencing`) says a stale run of the same job published it.
     """
     from safetensors.torch import save as save_tensors
 
     check_adapter_name(name)
     registry.mkdir(parents=True, exist_ok=True)
     target = registry / name
-    if target.exists():
-        raise KilnError(ADAPTER_ALREADY_EXISTS, f"adapter {name!r} already exists")
+    if os.path.lexists(target):
+        _withdraw_leftover(target, fence)
     staging = registry / f".{name}.incomplete-{uuid.uuid4().hex}"
     staging.mkdir()
     try:
@@ -155,14 +160,7 @@ def publish_adapter(
         }
         write_new_file(staging / ADAPTER_MANIFEST, json_bytes(build_manifest(receipt, hashes)))
         fsync_dir(staging)
-        if target.exists():
-            raise KilnError(ADAPTER_ALREADY_EXISTS, f"adapter {name!r} already exists")
-        try:
-            # No-replace: plain rename(2) silently replaces an empty directory that took the name
-            # after the check above (names are never overwritten, DESIGN §4).
-            rename_no_replace(staging, target)
-        except FileExistsError:
-            raise KilnError(ADAPTER_ALREADY_EXISTS, f"adapter {name!r} already exists") from None
+        _place_adapter(staging, target, fence)
         try:
             fsync_dir(registry)
         except OSError:
@@ -174,6 +172,51 @@ def publish_adapter(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
+
+
+def _rename_adapter(staging: Path, target: Path) -> None:
+    try:
+        # No-replace: plain rename(2) silently replaces an empty directory that took the name
+        # after any check (names are never overwritten).
+        rename_no_replace(staging, target)
+    except FileExistsError:
+        raise KilnError(ADAPTER_ALREADY_EXISTS, f"adapter {target.name!r} already exists") from None
+
+
+def _place_adapter(staging: Path, target: Path, fence: Fence | None) -> None:
+    """Rename into place between fence checks; a stale run's copy that took the name meanwhile
+    is withdrawn and the rename tried again."""
+    for _ in range(3):
+        try:
+            fenced_rename(staging, target, fence, _rename_adapter)
+            return
+        except KilnError:
+            if fence is None or not os.path.lexists(target):
+                raise
+        _withdraw_leftover(target, fence)
+    raise KilnError(ADAPTER_ALREADY_EXISTS, f"adapter {target.name!r} already exists")
+
+
+def _withdraw_leftover(target: Path, fence: Fence | None) -> None:
+    """An adapter holds the name: withdraw it when a stale run of this job wrote it, else refuse."""
+    exists = KilnError(ADAPTER_ALREADY_EXISTS, f"adapter {target.name!r} already exists")
+    if fence is None or target.is_symlink():
+        raise exists
+    hidden = grab_leftover(target, fence)
+    if hidden is None:
+        return
+    try:
+        receipt = json.loads((hidden / TRAIN_RECEIPT).read_text(encoding="utf-8"))
+        ours = isinstance(receipt, dict) and fence.leftover_adapter(receipt)
+    except (OSError, ValueError):
+        ours = False
+    if not ours:
+        put_back(hidden, target)
+        raise exists
+    shutil.rmtree(hidden, ignore_errors=True)
+    log.warning(
+        "withdrew adapter %s: published by a stale run of this job; publishing this run's", target.name
+    )
 
 
 def read_adapter(path: Path) -> tuple[dict, dict]:

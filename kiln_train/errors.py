@@ -100,6 +100,10 @@ def backend_unsupported(detail: str, *, hint: str | None = None) -> KilnError:
     return KilnError(TRAINING_BACKEND_UNSUPPORTED, detail, hint=hint)
 
 
+class OwnershipLost(Exception):
+    """This run no longer owns its job (a later claim of it holds the job): stop, record nothing."""
+
+
 class TrainingFailure(Exception):
     """A run failed after admission; `reason` is a receipt failure category (kiln-contract §4.1)."""
 

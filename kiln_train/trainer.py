@@ -24,7 +24,14 @@ from kiln_train import checkpoint as ckpt
 from kiln_train.adapter import adapter_identity, check_adapter_name, check_base_adapter
 from kiln_train.anomaly import anomaly_scan
 from kiln_train.canary import canary_status, run_smoke_test
-from kiln_train.errors import ADAPTER_ALREADY_EXISTS, KilnError, TrainingFailure, invalid_request
+from kiln_train.errors import (
+    ADAPTER_ALREADY_EXISTS,
+    KilnError,
+    OwnershipLost,
+    TrainingFailure,
+    invalid_request,
+)
+from kiln_train.fencing import Fence
 from kiln_train.ingestion import IngestionResult
 from kiln_train.loss import sft_loss
 from kiln_train.optim import build_optimizer
@@ -113,6 +120,7 @@ class SftRun:
         plan,
         run_id,
         on_checkpoint=None,
+        fence: Fence | None = None,
     ):
         self.resident = resident
         self.config = config
@@ -135,6 +143,7 @@ class SftRun:
         self.aux: dict = {}
         self.base_adapter_identity: dict | None = None
         self.on_checkpoint: Callable[[dict], None] | None = on_checkpoint
+        self.fence = fence
 
     # ----- set-up ------------------------------------------------------------------------
     def prepare(self, resume_checkpoint: Path | None, *, may_stop: bool = True) -> None:
@@ -145,7 +154,7 @@ class SftRun:
 
         release_lora(self.model)  # a crashed earlier job must not leave its pairs attached
         c = self.config
-        if (self.registry / self.adapter_name).exists():
+        if (self.registry / self.adapter_name).exists() and not self._leftover_adapter():
             # Names are immutable: discover the clash now, not after the whole run.
             raise TrainingFailure(
                 "training_error",
@@ -167,12 +176,35 @@ class SftRun:
         if resume is not None:
             self._restore(resume)
 
+    def _leftover_adapter(self) -> bool:
+        """Whether the adapter under this run's name is a stale run's of the same job (a service
+        run then replaces it when it publishes; see `kiln_train.fencing`)."""
+        if self.fence is None:
+            return False
+        try:
+            receipt = json.loads(
+                (self.registry / self.adapter_name / "train_receipt.json").read_text("utf-8")
+            )
+        except (OSError, ValueError):
+            return False
+        return isinstance(receipt, dict) and self.fence.leftover_adapter(receipt)
+
+    def _leftover_checkpoint(self, basename: str) -> bool:
+        if self.fence is None:
+            return False
+        try:
+            manifest, _ = ckpt.read_checkpoint_manifest(self.registry / basename)
+        except ckpt.CheckpointError:
+            return False
+        return self.fence.leftover_checkpoint(basename, manifest)
+
     def _check_checkpoint_names(self, start: int, may_stop: bool) -> None:
         """Checkpoint names are never overwritten: refuse now, before any work, when a name this
-        run may publish (an interval step, or any step a cooperative stop may land on) is taken."""
+        run may publish (an interval step, or any step a cooperative stop may land on) is taken
+        (by anything but a stale run of the same job, which publication settles)."""
         interval = self.config.checkpoint_interval
         for step, basename in ckpt.checkpoint_names(self.registry, self.adapter_name).items():
-            if not start < step < self.total_steps:
+            if not start < step < self.total_steps or self._leftover_checkpoint(basename):
                 continue
             if may_stop or (interval and step % interval == 0):
                 raise TrainingFailure(
@@ -409,12 +441,14 @@ class SftRun:
                 epoch_done = lp.cursor == self.n
                 if epoch_done:
                     self._end_epoch()
+                # The step is recorded before its checkpoint is published, so a checkpoint found
+                # on disk always has its steps recorded (and can be adopted after a crash).
+                if progress is not None:
+                    progress(report)
                 saved = False
                 if interval and lp.global_step % interval == 0 and lp.global_step < self.total_steps:
                     self.write_checkpoint()
                     saved = True
-                if progress is not None:
-                    progress(report)
                 if should_stop is not None and lp.global_step < self.total_steps and should_stop():
                     stopped = (
                         f"training cancelled by user at global step {lp.global_step} of {self.total_steps}"
@@ -480,7 +514,7 @@ class SftRun:
             item_count=self.n,
             auxiliary_state=self.aux,
         )
-        published = ckpt.publish_checkpoint(self.registry, draft, artifacts)
+        published = ckpt.publish_checkpoint(self.registry, draft, artifacts, fence=self.fence)
         record = {
             "checkpoint_id": published.manifest.checkpoint_id,
             "path": str(published.path),
@@ -512,12 +546,15 @@ def train_sft(
     resume_checkpoint: str | Path | None = None,
     on_checkpoint: Callable[[dict], None] | None = None,
     run_id: str | None = None,
+    fence: Fence | None = None,
 ) -> TrainResult:
     """Train one LoRA adapter from admitted rows; publish the adapter or a failed receipt.
 
     `config` must be the effective config (`SftConfig.resolve()`), `loss_route` the route pinned
     at admission (it must equal the resident backend's). `resume_checkpoint` is a
-    `.kiln-checkpoint` directory; every identity it binds must match this run.
+    `.kiln-checkpoint` directory; every identity it binds must match this run. A service run
+    passes its `fence` (`kiln_train.fencing`): once the run no longer owns its job it raises
+    `OwnershipLost` and leaves no receipt, adapter or checkpoint behind.
     """
     # A resumed run computes with the intra-op thread count its checkpoint recorded: CPU matmul
     # and reduction kernels split work by thread count, so any other count changes the bits.
@@ -542,6 +579,7 @@ def train_sft(
             resume_checkpoint=resume_checkpoint,
             on_checkpoint=on_checkpoint,
             run_id=run_id,
+            fence=fence,
         )
 
 
@@ -607,6 +645,7 @@ def _train_sft(
     resume_checkpoint: str | Path | None,
     on_checkpoint: Callable[[dict], None] | None,
     run_id: str | None,
+    fence: Fence | None,
 ) -> TrainResult:
     t0 = time.perf_counter()
     run_id = run_id or new_run_id()
@@ -635,6 +674,7 @@ def _train_sft(
         plan=plan,
         run_id=run_id,
         on_checkpoint=on_checkpoint,
+        fence=fence,
     )
     try:
         run.prepare(
@@ -655,7 +695,7 @@ def _train_sft(
         )
         parent = run.config.base_adapter
         path, receipt = publish_success(
-            resident, facts, registry, tensors, parent_adapter=parent, extra_files=extra
+            resident, facts, registry, tensors, parent_adapter=parent, extra_files=extra, fence=fence
         )
         return TrainResult(
             status="success",
@@ -671,7 +711,11 @@ def _train_sft(
             wall_clock_ms=facts.wall_clock_ms,
             loss_history=list(run.loop.loss_history),
         )
+    except OwnershipLost:
+        raise  # the job is another attempt's now: this run records nothing
     except Exception as exc:  # every failure ends in a receipt; nothing half-published remains
+        if fence is not None:
+            fence.check()  # a stale run's failure is not the job's outcome either
         reason, message = classify_exception(exc)
         if not isinstance(exc, TrainingFailure):
             log.exception("SFT run %s failed", run_id)

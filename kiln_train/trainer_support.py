@@ -20,6 +20,7 @@ from kiln_train import checkpoint as ckpt
 from kiln_train.backend import FULL_LOGITS
 from kiln_train.checkpoint import GradNormStats
 from kiln_train.errors import TrainingFailure
+from kiln_train.fencing import Fence
 from kiln_train.ingestion import IngestionResult, kept_corpus_sha256
 from kiln_train.memory import estimate, row_segments
 from kiln_train.memory_formulas import checkpoint_boundary_policy
@@ -191,6 +192,7 @@ def publish_success(
     *,
     parent_adapter: str | None,
     extra_files: dict[str, bytes] | None = None,
+    fence: Fence | None = None,
 ) -> tuple[Path, dict]:
     scale = facts.alpha / facts.rank
     holder: dict = {}
@@ -215,6 +217,7 @@ def publish_success(
             receipt, hashes, parent_adapter=parent_adapter
         ),
         extra_files=extra_files,
+        fence=fence,
     )
     return path, holder["receipt"]
 

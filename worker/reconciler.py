@@ -31,15 +31,13 @@ from kiln.store import states
 from kiln_train import checkpoint as ckpt
 from kiln_train.adapter import ADAPTER_MODEL, TRAIN_RECEIPT
 from kiln_train.errors import KilnError
+from kiln_train.fencing import RunIdentity, rehome
 from kiln_train.provenance import file_digest
 from worker.celery_app import publish_job
 
 log = logging.getLogger(__name__)
 
 PUBLISH_GRACE_SECONDS = 5.0
-# A worker idle this long while a published job stays queued concludes that job's doorbell was
-# lost (an idle worker takes a waiting message within moments) and rings it again.
-LOST_DOORBELL_SECONDS = 60.0
 # Hidden directories in the adapter registry are work in progress: a publication's staging dir
 # (adapter or checkpoint, `.<name>.incomplete-<id>`), a withdrawal (`.withdrawn-<hex>-<name>`) or
 # a deletion's trash (`.trash-<hex>`). The process that made one removes it; one that outlived its
@@ -66,26 +64,25 @@ class Reconciler:
         return done
 
     def _ring_lost_doorbells(self) -> int:
-        """Publish again the jobs still queued long after their message went out, while this
-        worker sat idle: the broker lost the message (Redis restarted without persistence or
-        flushed; or a worker died holding it unacknowledged, which Redis gives back only after
-        the visibility timeout, days). Without this such a job waited until some newer job's
-        doorbell happened to run it first. A duplicate doorbell is harmless: a message whose row
-        is not `queued` is dropped."""
+        """Publish again, oldest first, every job still queued a reconcile period after its
+        message went out while this worker sat idle for that long: an idle worker takes a waiting
+        message within moments, so the broker lost it (Redis restarted without persistence or
+        flushed; or a worker died holding it unacknowledged, which Redis gives back only after the
+        visibility timeout). A lost message is thus found within two reconcile periods; the first
+        doorbell that arrives then drains the whole queue (`WorkerRuntime._drain_queue`). A
+        duplicate doorbell is harmless: a message whose row is not `queued` is dropped."""
         rt = self.runtime
         idle_since = getattr(rt, "idle_since", None)
         if rt.celery is None or idle_since is None or rt.shutdown.is_set():
             return 0
-        idle_for = LOST_DOORBELL_SECONDS
-        if idle_since > store.utcnow() - timedelta(seconds=idle_for):  # our own clock: a duration
+        period = rt.settings.training.reconcile_interval_seconds
+        if idle_since > store.utcnow() - timedelta(seconds=period):  # our own clock: a duration
             return 0  # busy until recently: a waiting message may still be on its way to us
         with rt.factory.begin() as s:
-            cutoff = store.store_now(s) - timedelta(seconds=idle_for)  # the clock that stamped them
+            cutoff = store.store_now(s) - timedelta(seconds=period)  # the clock that stamped them
             lost = [(j.id, j.published_at) for j in store.stale_doorbells(s, older_than=cutoff)]
         count = 0
         for job_id, seen in lost:
-            if rt.idle_since != idle_since:
-                break  # a doorbell arrived meanwhile: this worker is not idle any more
             try:
                 with rt.factory.begin() as s:
                     if not store.restamp_published(s, job_id, seen):
@@ -96,8 +93,8 @@ class Reconciler:
                         s,
                         job_id,
                         states.EVENT_REPUBLISHED,
-                        f"still queued {LOST_DOORBELL_SECONDS:.0f} s after its message went out while "
-                        "a worker sat idle: the broker lost the message; published again",
+                        f"still queued {period:g} s after its message went out while a worker sat "
+                        "idle: the broker lost the message; published again",
                         level=states.LEVEL_WARNING,
                         data={"previously_published_at": seen.isoformat()},
                     )
@@ -137,63 +134,82 @@ class Reconciler:
         with rt.factory.begin() as s:
             expired = [_lost_job(s, j) for j in store.expired_leases(s, owner_fresh_seconds=stale)]
         for lost in expired:
-            published = self._published_adapter(lost)
-            resume = None
-            if (
-                published is None
-                and not lost.cancel_requested
-                and lost.attempts - lost.releases < rt.settings.training.max_attempts
-            ):
-                resume = self._resumable(lost)
-            try:
-                with rt.factory.begin() as s:
-                    if published is not None:
-                        store.complete_lost_job(s, lost.job_id, **published)
-                        done["completed"] += 1
-                        log.warning(
-                            "job %s: worker lost after publishing its adapter; completed", lost.job_id
-                        )
-                    elif resume is not None:
-                        store.requeue_for_resume(s, lost.job_id, resume[0])
-                        requeued.append(lost.job_id)
-                        done["resumed"] += 1
-                        log.warning("job %s: worker lost; requeued from %s", lost.job_id, resume[0])
-                    else:
-                        store.fail_worker_lost(s, lost.job_id)
-                        failed += 1
-                        log.warning("job %s: worker lost; no resumable checkpoint", lost.job_id)
-                if resume is not None:
-                    self._withdraw_unrecorded(lost.job_id, resume[1])
-            except store.InvalidTransition:
-                continue  # another reconciler (or the worker itself) moved it first
-            except KilnError as exc:  # the adapter's name was registered meanwhile
-                log.warning("job %s: cannot complete from its published adapter: %s", lost.job_id, exc)
-                with rt.factory.begin() as s:
-                    try:
-                        store.fail_worker_lost(s, lost.job_id)
-                        failed += 1
-                    except store.InvalidTransition:
-                        continue
+            outcome = self._settle_lost(lost)
+            if outcome in ("resumed", "restarted"):
+                requeued.append(lost.job_id)
+                done["resumed"] += 1
+            elif outcome == "completed":
+                done["completed"] += 1
+            elif outcome == "failed":
+                failed += 1
         self._republish(requeued)  # our own transition: no api publish to race
         return failed
+
+    def _settle_lost(self, lost: LostJob) -> str | None:
+        """Complete, resume, restart or fail one job whose worker stopped renewing its lease;
+        None when another actor moved it first."""
+        rt = self.runtime
+        published = self._published_adapter(lost)
+        plan = None if published is not None else self._recovery_plan(lost)
+        retry = (
+            not lost.cancel_requested and lost.attempts - lost.releases < rt.settings.training.max_attempts
+        )
+        # Its owner is presumed dead (lease expired, runner silent): the publications it was
+        # staging will never be finished. Swept before the job can have a new owner.
+        sweep_job_staging(rt.settings.adapters_dir, lost.identity.adapter_name)
+        try:
+            if published is not None:
+                # Adopted under a new directory identity first: should the lost worker only have
+                # stalled, it cannot take back (by inode) the adapter the job completes with.
+                if not rehome(Path(published["adapter_path"])):
+                    return None
+                with rt.factory.begin() as s:
+                    store.complete_lost_job(s, lost.job_id, **published)
+                log.warning("job %s: worker lost after publishing its adapter; completed", lost.job_id)
+                return "completed"
+            adopted = self._adopt(lost, plan.adopt) if plan.adopt is not None else None
+            with rt.factory.begin() as s:
+                if adopted is not None:
+                    _record_adopted(s, lost.job_id, adopted)
+                if retry and plan.resume is not None:
+                    store.requeue_for_resume(s, lost.job_id, plan.resume)
+                    outcome = "resumed"
+                elif retry:
+                    store.requeue_for_restart(
+                        s,
+                        lost.job_id,
+                        resume_checkpoint=lost.pinned_resume,
+                        start_step=lost.pinned_start,
+                        reason=f"worker lost before a usable checkpoint (attempt {lost.attempts})",
+                    )
+                    outcome = "restarted"
+                else:
+                    store.fail_worker_lost(s, lost.job_id)
+                    outcome = "failed"
+            log.warning("job %s: worker lost; %s (%s)", lost.job_id, outcome, plan.resume or "no checkpoint")
+        except store.InvalidTransition:
+            return None  # another reconciler (or the worker itself) moved it first
+        except KilnError as exc:  # the adapter's name was registered meanwhile
+            log.warning("job %s: cannot complete from its published adapter: %s", lost.job_id, exc)
+            try:
+                with rt.factory.begin() as s:
+                    store.fail_worker_lost(s, lost.job_id)
+            except store.InvalidTransition:
+                return None
+            return "failed"
+        self._withdraw_unrecorded(lost.job_id, plan.withdraw)
+        return outcome
 
     def _published_adapter(self, lost: LostJob) -> dict | None:
         """The job's adapter, when its worker published it (atomically, under the final name) and
         was lost before recording that: the receipt must name this run (adapter, seed, corpus)."""
-        path = self.runtime.settings.adapters_dir / lost.adapter_name
+        path = self.runtime.settings.adapters_dir / lost.identity.adapter_name
         model, receipt_file = path / ADAPTER_MODEL, path / TRAIN_RECEIPT
         if not (model.is_file() and receipt_file.is_file()):
             return None
         try:
             receipt = json.loads(receipt_file.read_text(encoding="utf-8"))
-            ingestion = receipt["data"]["sft_ingestion"]
-            ours = (
-                receipt["status"] == "success"
-                and receipt["adapter_name"] == lost.adapter_name
-                and str(receipt["config"]["seed"]) == lost.effective_seed
-                and _bare(ingestion["kept_corpus_sha256"]) == _bare(lost.kept_corpus_sha256)
-            )
-            if not ours:
+            if not lost.identity.wrote_adapter(receipt):
                 return None
             hyper = receipt["hyperparameters"]
             base = (receipt.get("model") or {}).get("base_weight_shard_manifest") or {}
@@ -210,32 +226,67 @@ class Reconciler:
             log.warning("adapter %s of job %s is not usable: %s", path, lost.job_id, exc)
             return None
 
-    def _resumable(self, lost: LostJob) -> tuple[str, list[Path]] | None:
-        """The job's newest recorded checkpoint that still validates on disk, and the newer ones
-        its worker published but did not live to record or that no longer validate (damaged on
-        disk): the resumed run publishes those names again (and records their steps), so they
-        are withdrawn once the job is requeued and their rows are dropped."""
+    def _recovery_plan(self, lost: LostJob) -> RecoveryPlan:
+        """Where the job's next attempt starts: its newest checkpoint that validates on disk,
+        recorded (its row matches) or not (a complete checkpoint of this run whose worker died
+        between publishing and recording it: adopted, when every step up to it is recorded).
+        Checkpoints of this run above that point (damaged, unrecorded) are withdrawn once the job
+        moved on: the next attempt publishes those names again. Directories recorded by another
+        job (a submission that resumed it) are never touched."""
         rt = self.runtime
         with rt.factory.begin() as s:
             recorded = {c.basename: c.manifest_sha256 for c in store.list_checkpoints(s, lost.job_id)}
-        unrecorded: list[Path] = []
-        for basename in _checkpoint_dirs(rt.settings.adapters_dir, lost.adapter_name):
+        withdraw: list[Path] = []
+        for basename in _checkpoint_dirs(rt.settings.adapters_dir, lost.identity.adapter_name):
             path = rt.settings.adapters_dir / basename
-            if basename not in recorded:
-                if _written_by(path, lost):
-                    unrecorded.append(path)
+            mine = basename in recorded
+            if not mine and not self._unclaimed_leftover(path, lost):
                 continue
+            if _step_of(basename) <= lost.pinned_start:
+                break  # where this submission started: nothing below is the job's to recover
             try:
                 loaded = ckpt.load_checkpoint(path, verify_hashes=True)
             except Exception as exc:
                 log.warning("checkpoint %s of job %s is not resumable: %s", basename, lost.job_id, exc)
-                unrecorded.append(path)  # newer than the resume point: the resumed run rewrites it
+                withdraw.append(path)
                 continue
-            if loaded.manifest_sha256 == _bare(recorded[basename]):
-                return basename, unrecorded
+            if mine and loaded.manifest_sha256 == _bare(recorded[basename]):
+                return RecoveryPlan(resume=basename, withdraw=withdraw)
+            if not mine and self._steps_recorded(lost.job_id, loaded.manifest.progress.global_step):
+                return RecoveryPlan(resume=basename, withdraw=withdraw, adopt=loaded)
             log.warning("checkpoint %s of job %s is not the one recorded", basename, lost.job_id)
-            unrecorded.append(path)
-        return None
+            withdraw.append(path)
+        return RecoveryPlan(resume=None, withdraw=withdraw)
+
+    def _unclaimed_leftover(self, path: Path, lost: LostJob) -> bool:
+        """Written by this job's run and recorded by no job."""
+        if not _written_by(path, lost.identity):
+            return False
+        with self.runtime.factory.begin() as s:
+            return store.checkpoint_owner(s, path.name) is None
+
+    def _steps_recorded(self, job_id: str, global_step: int) -> bool:
+        with self.runtime.factory.begin() as s:
+            return store.steps_recorded_through(s, job_id, global_step)
+
+    def _adopt(self, lost: LostJob, loaded) -> dict | None:
+        """Make an unrecorded checkpoint the job's own before recording it: a new directory
+        identity (same bytes), so the lost worker, should it only have stalled, cannot take it
+        back. The row (returned) is written with the requeue."""
+        path = loaded.path
+        if not rehome(path):
+            return None
+        return {
+            "checkpoint_id": loaded.manifest.checkpoint_id,
+            "basename": path.name,
+            "path": str(path),
+            "global_step": loaded.manifest.progress.global_step,
+            "epoch_index": loaded.manifest.progress.epoch_index,
+            "cursor": loaded.manifest.progress.cursor_in_epoch,
+            "manifest_sha256": "sha256:" + loaded.manifest_sha256,
+            "size_bytes": sum(r.size_bytes for r in loaded.files.values())
+            + (path / ckpt.MANIFEST_FILENAME).stat().st_size,
+        }
 
     def _withdraw_unrecorded(self, job_id: str, paths: list[Path]) -> None:
         with self.runtime.factory.begin() as s:
@@ -247,6 +298,13 @@ class Reconciler:
 
 
 @dataclass(frozen=True)
+class RecoveryPlan:
+    resume: str | None  # the checkpoint the next attempt starts from (None: from the start)
+    withdraw: list[Path]  # this run's checkpoints above it, withdrawn once the job moved on
+    adopt: object | None = None  # the LoadedCheckpoint to record first (published, never recorded)
+
+
+@dataclass(frozen=True)
 class LostJob:
     """What the reconciler needs of a job whose lease expired (plain values, no ORM objects)."""
 
@@ -254,28 +312,41 @@ class LostJob:
     attempts: int
     releases: int  # deliveries ended by a graceful release (not lost; not counted)
     cancel_requested: bool
-    adapter_name: str
-    effective_seed: str
-    kept_corpus_sha256: str
-    total_steps: int
+    identity: RunIdentity
+    pinned_resume: str | None = None  # the checkpoint the submission itself resumed, if any
+    pinned_start: int = 0  # its step (where every attempt starts unless it resumes further on)
 
 
 def _lost_job(s, job) -> LostJob:
     admission = store.get_admission(s, job.id)
+    pin = (admission.checkpoint_plan or {}).get("resume_from") if admission is not None else None
     return LostJob(
         job_id=job.id,
         attempts=job.attempts,
         releases=store.count_graceful_releases(s, job.id),
         cancel_requested=job.cancel_requested,
-        adapter_name=job.adapter_name,
-        effective_seed=job.effective_seed,
-        kept_corpus_sha256=admission.kept_corpus_sha256 if admission is not None else "",
-        total_steps=job.total_steps,
+        identity=RunIdentity(
+            adapter_name=job.adapter_name,
+            seed=job.effective_seed,
+            corpus_sha256=admission.kept_corpus_sha256 if admission is not None else "",
+            total_steps=job.total_steps,
+        ),
+        pinned_resume=pin.get("checkpoint") if pin else None,
+        pinned_start=int(pin.get("global_step") or 0) if pin else 0,
     )
+
+
+def _record_adopted(s, job_id: str, record: dict) -> None:
+    if store.get_checkpoint(s, job_id, record["basename"]) is None:
+        store.record_checkpoint(s, job_id, write_ms=None, adopted=True, **record)
 
 
 def _bare(digest: str) -> str:
     return digest.removeprefix("sha256:")
+
+
+def _step_of(basename: str) -> int:
+    return int(basename.removesuffix(ckpt.CHECKPOINT_SUFFIX).rsplit("-", 1)[1])
 
 
 def _checkpoint_dirs(adapters_dir: Path, adapter_name: str) -> list[str]:
@@ -293,35 +364,59 @@ def _checkpoint_dirs(adapters_dir: Path, adapter_name: str) -> list[str]:
 
 
 def unrecorded_checkpoints_beyond(
-    adapters_dir: Path, resume_basename: str, recorded: set[str], lost: LostJob
+    adapters_dir: Path, start_basename: str | None, recorded: set[str], identity: RunIdentity
 ) -> list[Path]:
-    """The job's checkpoint directories above the step of `resume_basename` that no row in
-    `recorded` names and that this job's run wrote (same adapter, seed, data and length)."""
-    names = _checkpoint_dirs(adapters_dir, lost.adapter_name)
-    if resume_basename not in names:
-        return []
-    newer = names[: names.index(resume_basename)]  # highest step first
+    """The job's checkpoint directories above the step of `start_basename` (None: above step 0)
+    that no row in `recorded` names and that this job's run wrote (same adapter, seed, data and
+    length)."""
+    names = _checkpoint_dirs(adapters_dir, identity.adapter_name)
+    if start_basename is not None:
+        if start_basename not in names:
+            return []
+        names = names[: names.index(start_basename)]  # highest step first
     return [
         adapters_dir / name
-        for name in newer
-        if name not in recorded and _written_by(adapters_dir / name, lost)
+        for name in names
+        if name not in recorded and _written_by(adapters_dir / name, identity)
     ]
 
 
-def _written_by(path: Path, lost: LostJob) -> bool:
+def _written_by(path: Path, identity: RunIdentity) -> bool:
     """Whether a checkpoint directory was written by this job's run (same adapter, seed, data and
     length; adapter names are unique among live jobs)."""
     try:
         manifest, _ = ckpt.read_checkpoint_manifest(path)
     except Exception:
         return False
-    return (
-        manifest.training_kind == "sft"
-        and manifest.adapter_name == lost.adapter_name
-        and str(manifest.seed) == lost.effective_seed
-        and _bare(manifest.data.content_sha256) == _bare(lost.kept_corpus_sha256)
-        and manifest.progress.total_steps == lost.total_steps
+    return identity.wrote_checkpoint(manifest)
+
+
+_STAGING = re.compile(r"\.(?P<name>.+)\.incomplete-[0-9a-f-]+", re.S)
+
+
+def sweep_job_staging(directory: Path, adapter_name: str) -> list[str]:
+    """Delete the publication staging directories of one adapter (its own and its checkpoints'):
+    called once the job's owner is known to be gone, so nobody will finish them."""
+    checkpoint = re.compile(
+        rf"{re.escape(adapter_name)}-checkpoint-step-[0-9]{{8,}}{re.escape(ckpt.CHECKPOINT_SUFFIX)}"
     )
+    swept = []
+    try:
+        entries = sorted(directory.iterdir())
+    except OSError:
+        return []
+    for entry in entries:
+        match = _STAGING.fullmatch(entry.name)
+        if match is None or entry.is_symlink() or not entry.is_dir():
+            continue
+        name = match.group("name")
+        if name != adapter_name and not checkpoint.fullmatch(name):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        if not os.path.lexists(entry):
+            log.warning("deleted %s: the staging of a publication whose worker was lost", entry.name)
+            swept.append(entry.name)
+    return swept
 
 
 def sweep_abandoned(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
 import threading
 import time
@@ -26,13 +27,17 @@ from sqlalchemy.orm import Session
 from kiln import store
 from kiln.settings import Settings
 from kiln.store import states
-from kiln_train.errors import KilnError
+from kiln_train import checkpoint as ckpt
+from kiln_train.adapter import ADAPTER_MODEL
+from kiln_train.errors import KilnError, OwnershipLost
+from kiln_train.fencing import RunIdentity, grab_leftover, take_back
 from kiln_train.memory import available_budget
 from kiln_train.provenance import file_digest
 from kiln_train.resident import ResidentModel
 from kiln_train.trainer import train_sft
 from kiln_train.trainer_support import StepReport, TrainResult
-from worker.reconciler import LostJob, Reconciler, unrecorded_checkpoints_beyond, withdraw
+from worker.fence import JobFence
+from worker.reconciler import Reconciler, unrecorded_checkpoints_beyond
 from worker.runner import device_memory, heartbeat_file, runner_registration
 from worker.verify import PLAN_DRIFT, PLAN_DRIFT_CODE, PinnedJob, PlanDrift, verify_plan
 
@@ -56,16 +61,20 @@ def new_worker_id() -> str:
 
 @dataclass
 class CurrentRun:
-    """The job this worker is running and the flags other threads raise for exactly that job (a
-    late heartbeat for the previous job must not cancel the next one)."""
+    """The job this worker is running (under which claim: the fence) and the flags other threads
+    raise for exactly that run (a late heartbeat for the previous job must not cancel the next)."""
 
     job_id: str
     epochs: int
+    attempt: int  # the claim number this run holds (`attempts` after its claim)
+    fence: JobFence | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
     lease_lost: threading.Event = field(default_factory=threading.Event)
     store_error: Exception | None = None  # the store stayed down while recording progress
-    recorded_step: int = 0  # the last step whose row is written
-    pending_checkpoint: dict | None = None  # published at the step being recorded next
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.job_id, self.attempt
 
 
 class WorkerRuntime:
@@ -165,11 +174,12 @@ class WorkerRuntime:
                 current_job_id=run.job_id if run else None,
             )
             if run is not None:
+                lease = self.settings.training.lease_seconds
                 try:
-                    if store.renew_lease(s, run.job_id, self.worker_id, self.settings.training.lease_seconds):
+                    if store.renew_lease(s, run.job_id, self.worker_id, lease, attempt=run.attempt):
                         run.cancel.set()
                 except store.LeaseLost:
-                    log.warning("lease on job %s lost; the run stops at its next step", run.job_id)
+                    log.debug("job %s: claim %d superseded; the run stops at its next step", *run.key)
                     run.lease_lost.set()
 
     def transact(self, write: Callable[[Session, bool], T]) -> T:
@@ -217,22 +227,43 @@ class WorkerRuntime:
                 # A worker on its way out claims nothing: the doorbell goes back to the broker for
                 # another worker (or this one after its restart) instead of one step and a release.
                 return "deferred"
-            return self._run_one(job_id)
+            outcome = self._run_one(job_id)
+            self._drain_queue()
+            return outcome
         finally:
             self.idle_since = store.utcnow()
 
+    def _queued_ids(self) -> list[str]:
+        return self.transact(lambda s, _: [j.id for j in store.list_queued(s) if not j.cancel_requested])
+
     def _oldest_queued_before(self, job_id: str) -> str | None:
-        ids = self.transact(lambda s, _: [j.id for j in store.list_queued(s) if not j.cancel_requested])
+        ids = self._queued_ids()
         if job_id not in ids:
             return None
         position = ids.index(job_id)
         return ids[0] if position > 0 else None
 
+    def _drain_queue(self) -> None:
+        """Run the jobs still queued in the store, oldest first, before waiting for the next
+        doorbell: the row is the truth, so a job whose message the broker lost (flushed, restarted
+        without persistence) starts as soon as this worker is free. Their own doorbells, when they
+        still exist, later find them done and are dropped. A job another worker claims first is
+        simply not claimable here."""
+        tried: set[str] = set()
+        while not self.shutdown.is_set():
+            ids = [i for i in self._queued_ids() if i not in tried]
+            if not ids:
+                return
+            tried.add(ids[0])
+            self._run_one(ids[0])
+
     def _run_one(self, job_id: str) -> str:
         pinned = self._claim(job_id)
         if pinned is None:
             return "dropped"
-        self.run = CurrentRun(job_id, int(pinned.effective_config.get("epochs") or 1))
+        run = CurrentRun(job_id, int(pinned.effective_config.get("epochs") or 1), pinned.attempt)
+        run.fence = JobFence(self, job_id, pinned.attempt, _run_identity(pinned))
+        self.run = run
         try:
             return self._execute(pinned)
         finally:
@@ -296,6 +327,7 @@ class WorkerRuntime:
         recorded = {c.basename: c.manifest_sha256 for c in store.list_checkpoints(s, job.id)}
         return PinnedJob(
             job_id=job.id,
+            attempt=job.attempts,
             adapter_name=job.adapter_name,
             effective_seed=job.effective_seed,
             resume_checkpoint=job.resume_checkpoint,
@@ -318,8 +350,13 @@ class WorkerRuntime:
         nothing leaves it `running` behind a worker that moved on."""
         try:
             return self._verify_and_train(pinned)
-        except store.LeaseLost as exc:
-            log.warning("job %s: %s; another owner has it now", pinned.job_id, exc)
+        except OwnershipLost:
+            # The one line a stale run logs: it recorded nothing, the current owner records all.
+            log.warning(
+                "job %s: claim %d was superseded by a later claim; this run stopped and recorded nothing",
+                pinned.job_id,
+                pinned.attempt,
+            )
             return "lost"
         except TRANSIENT_DB_ERRORS:
             # The store stayed unreachable through the retries: the outcome cannot be recorded
@@ -347,7 +384,7 @@ class WorkerRuntime:
             self._finish_failed(pinned.job_id, PLAN_DRIFT, str(exc), code=PLAN_DRIFT_CODE)
             return "failed"
         self._event(pinned.job_id, states.EVENT_PLAN_VERIFIED, "pinned plan re-verified at dequeue")
-        self._withdraw_unrecorded_beyond_resume(pinned, work)
+        self._withdraw_unrecorded_leftovers(pinned, work)
         shortfall = self._reserve(pinned)
         if shortfall is not None:
             self._finish_failed(pinned.job_id, "oom", shortfall, code=RESERVATION_FAILED_CODE)
@@ -373,41 +410,32 @@ class WorkerRuntime:
             resume_checkpoint=work.resume_path,
             on_checkpoint=lambda record: self._on_checkpoint(pinned.job_id, record),
             run_id=pinned.job_id[:8] + "-" + uuid.uuid4().hex[:6],
+            fence=self._run_of(pinned.job_id).fence,
         )
 
-    def _withdraw_unrecorded_beyond_resume(self, pinned: PinnedJob, work) -> None:
-        """A reconciler resume: checkpoints of this job beyond the resume point that no row
-        records (published by the lost run, never recorded) are withdrawn before training, as the
-        reconciler does right after the requeue. Its own withdrawal may not have happened (its
-        worker died after the requeue committed); the resumed run would then reach that name
-        and fail on it. We hold the lease, so nobody else writes these names now. A user resume
-        (pinned at admission) is left alone: there a later existing name fails the run
-        (kiln-contract §5.7)."""
-        if work.resume_path is None:
-            return
-        pin = pinned.checkpoint_plan.get("resume_from")
-        if pin is not None and pin.get("checkpoint") == pinned.resume_checkpoint:
-            return
+    def _withdraw_unrecorded_leftovers(self, pinned: PinnedJob, work) -> None:
+        """Checkpoints of this job's run beyond where this attempt starts that no row records
+        (a lost or stale attempt published them and never recorded them) are withdrawn before
+        training: this attempt writes and records those steps again. The reconciler does the
+        same when it requeues, but may not have lived to. A submission that resumes another
+        job's checkpoint never touches that job's files (they are recorded to it)."""
+        fence = self._run_of(pinned.job_id).fence
+        start = work.resume_path.name if work.resume_path is not None else None
         stale = unrecorded_checkpoints_beyond(
-            self.settings.adapters_dir,
-            work.resume_path.name,
-            set(pinned.recorded_checkpoints),
-            LostJob(
-                job_id=pinned.job_id,
-                attempts=0,
-                releases=0,
-                cancel_requested=False,
-                adapter_name=pinned.adapter_name,
-                effective_seed=pinned.effective_seed,
-                kept_corpus_sha256=pinned.kept_corpus_sha256,
-                total_steps=pinned.total_steps,
-            ),
+            self.settings.adapters_dir, start, set(pinned.recorded_checkpoints), fence.identity
         )
         for path in stale:
+            manifest = _manifest_or_none(path)
+            if manifest is None or not fence.leftover_checkpoint(path.name, manifest):
+                continue
             log.warning(
-                "job %s: withdrawing %s (published by a lost run, never recorded)", pinned.job_id, path.name
+                "job %s: withdrawing %s (published by an earlier attempt, never recorded)",
+                pinned.job_id,
+                path.name,
             )
-            withdraw(path)
+            hidden = grab_leftover(path, fence)
+            if hidden is not None:
+                shutil.rmtree(hidden, ignore_errors=True)
 
     def _reserve(self, pinned: PinnedJob) -> str | None:
         """Admission priced the step; check the device still has that much before touching it."""
@@ -436,26 +464,23 @@ class WorkerRuntime:
 
     def _run_of(self, job_id: str) -> CurrentRun:
         run = self.run
-        if run is None or run.job_id != job_id:  # a callback outside _run_one
-            run = self.run = CurrentRun(job_id, 1)
+        if run is None or run.job_id != job_id:
+            raise OwnershipLost(f"job {job_id} is not the run this worker holds")
         return run
 
     def _on_step(self, job_id: str, report: StepReport) -> None:
-        """Record one step (loss curve, progress, lease, runner heartbeat) together with the
-        checkpoint the trainer published at this step, so a recorded checkpoint always has its
-        steps recorded. A lost lease raises LeaseLost (and withdraws that checkpoint): the trainer
-        stops here, before `should_stop` could write another under a name the new owner needs."""
+        """Record one step (loss curve, progress, lease, runner heartbeat) under this run's claim;
+        the trainer publishes the step's checkpoint after this. A superseded claim raises
+        `LeaseLost`: the trainer stops here, at the step boundary, having recorded nothing."""
         run = self._run_of(job_id)
-        pending, run.pending_checkpoint = run.pending_checkpoint, None
         if run.lease_lost.is_set():
-            self._withdraw_pending(pending)
             raise store.LeaseLost(job_id, self.worker_id)
         lease = self.settings.training.lease_seconds
         rows = max(1, report.total_steps // max(1, run.epochs))
 
         def write(s: Session, retried: bool) -> bool:
             if retried and store.step_recorded(s, job_id, report.global_step):
-                return store.renew_lease(s, job_id, self.worker_id, lease)
+                return store.renew_lease(s, job_id, self.worker_id, lease, attempt=run.attempt)
             cancel = store.record_step(
                 s,
                 job_id,
@@ -468,6 +493,7 @@ class WorkerRuntime:
                 tokens=report.tokens,
                 supervised_tokens=report.supervised_tokens,
                 lease_seconds=lease,
+                attempt=run.attempt,
             )
             store.heartbeat_runner(s, self.worker_id, state=states.RUNNER_BUSY, current_job_id=job_id)
             if report.global_step % rows == 0:
@@ -478,60 +504,54 @@ class WorkerRuntime:
                     f"epoch {report.global_step // rows} of {run.epochs} complete",
                     data={"epoch": report.global_step // rows, "global_step": report.global_step},
                 )
-            if pending is not None:
-                _record_checkpoint(s, job_id, pending)
             return cancel
 
         try:
             cancel = self.transact(write)
         except store.LeaseLost:
             run.lease_lost.set()
-            self._withdraw_pending(pending)
             raise
         except TRANSIENT_DB_ERRORS as exc:
-            # Not the job's fault: it is resumed, not failed. The unrecorded checkpoint stays on
-            # disk for the reconciler, which withdraws it before the resume writes it again.
+            # Not the job's fault: it is resumed, not failed (the reconciler settles it).
             run.store_error = exc
             raise
-        run.recorded_step = report.global_step
         if cancel:
             run.cancel.set()
 
     def _on_checkpoint(self, job_id: str, record: dict) -> None:
-        """A checkpoint was published. It is recorded with its step (`_on_step` follows), or now
-        when its step is already recorded (the checkpoint written on a cooperative stop). When
-        the job is no longer ours it is withdrawn: the new owner will publish this name itself."""
+        """A checkpoint was published (its step is already recorded): record it under this run's
+        claim. A superseded claim raises `LeaseLost`; the checkpoint passed its fence checks, so it
+        stays for the current owner, who adopts or withdraws it."""
         run = self._run_of(job_id)
         if run.lease_lost.is_set():
-            self._withdraw_pending(record)
             raise store.LeaseLost(job_id, self.worker_id)
-        if record["global_step"] > run.recorded_step:
-            run.pending_checkpoint = record
-            return
         lease = self.settings.training.lease_seconds
 
         def write(s: Session, retried: bool) -> None:
-            store.renew_lease(s, job_id, self.worker_id, lease)  # LeaseLost when not ours
+            store.renew_lease(s, job_id, self.worker_id, lease, attempt=run.attempt)
             _record_checkpoint(s, job_id, record)
 
         try:
             self.transact(write)
         except store.LeaseLost:
             run.lease_lost.set()
-            self._withdraw_pending(record)
             raise
 
-    @staticmethod
-    def _withdraw_pending(record: dict | None) -> None:
-        if record is not None:
-            withdraw(Path(record["path"]))
-
     def _event(self, job_id: str, kind: str, message: str, **kw) -> None:
-        self.transact(lambda s, _: store.append_event(s, job_id, kind, message, **kw))
+        """An event of the running job, written only while this run's claim holds it."""
+        run = self._run_of(job_id)
+
+        def write(s: Session, _: bool) -> None:
+            store.require_owner(s, job_id, self.worker_id, run.attempt)
+            store.append_event(s, job_id, kind, message, **kw)
+
+        self.transact(write)
 
     def _finish_failed(
         self, job_id: str, reason: str, message: str, *, code: str | None = None, **extra
     ) -> None:
+        run = self.run
+        attempt = run.attempt if run is not None and run.job_id == job_id else None
         try:
             self.transact(
                 lambda s, _: store.finish_job(
@@ -539,6 +559,7 @@ class WorkerRuntime:
                     job_id,
                     states.FAILED,
                     worker_id=self.worker_id,
+                    attempt=attempt,
                     failure_reason=reason,
                     error_code=code,
                     error_message=message,
@@ -550,14 +571,9 @@ class WorkerRuntime:
 
     def _record_result(self, pinned: PinnedJob, result: TrainResult) -> str:
         job_id = pinned.job_id
-        store_error = self._run_of(job_id).store_error
-        if store_error is not None:
-            raise store_error  # left to the reconciler, like any outcome the store cannot take
-        if self._run_of(job_id).lease_lost.is_set():
-            log.warning("job %s: stopped after losing its lease; its new owner records the outcome", job_id)
-            if result.status == "success":
-                withdraw(result.adapter_path)
-            return "lost"
+        run = self._run_of(job_id)
+        if run.store_error is not None:
+            raise run.store_error  # left to the reconciler, like any outcome the store cannot take
         latest = result.checkpoints[-1]["basename"] if result.checkpoints else None
         common = {
             "global_step": result.global_step,
@@ -568,61 +584,73 @@ class WorkerRuntime:
             "latest_checkpoint": latest,
         }
         if result.status == "success":
-            model_file = result.adapter_path / "adapter_model.safetensors"
-            size = sum(p.stat().st_size for p in result.adapter_path.iterdir())
-            digest = file_digest(model_file)
-
-            def complete(s: Session, retried: bool) -> None:
-                if retried:
-                    job = store.get_job(s, job_id, include_deleted=True)
-                    if job is not None and job.state == states.COMPLETED and job.worker_id == self.worker_id:
-                        return  # the earlier attempt committed
-                store.register_adapter(
-                    s,
-                    name=result.adapter_name,
-                    job_id=job_id,
-                    path=str(result.adapter_path),
-                    size_bytes=size,
-                    safetensors_sha256=digest,
-                    rank=result.receipt["hyperparameters"]["rank"],
-                    alpha=result.receipt["hyperparameters"]["alpha"],
-                    base_model_sha256=self.resident.base_weights_sha256,
-                )
-                store.finish_job(
-                    s,
-                    job_id,
-                    states.COMPLETED,
-                    worker_id=self.worker_id,
-                    adapter_path=str(result.adapter_path),
-                    **common,
-                )
-
-            try:
-                self.transact(complete)
-            except (store.LeaseLost, store.InvalidTransition) as exc:
-                # Not ours to complete any more: an adapter nobody records must not keep the name.
-                log.error("job %s finished but its row moved on (%s); adapter withdrawn", job_id, exc)
-                withdraw(result.adapter_path)
-                return "lost"
-            return "completed"
-        if (
-            result.failure_reason == "cancelled"
-            and self.shutdown.is_set()
-            and not self._run_of(job_id).cancel.is_set()
-        ):
+            return self._complete(pinned, result, common)
+        if result.failure_reason == "cancelled" and self.shutdown.is_set() and not run.cancel.is_set():
             return self._release_for_resume(job_id)
         self._finish_failed(job_id, result.failure_reason, result.failure_message or "", **common)
         return "failed"
 
+    def _complete(self, pinned: PinnedJob, result: TrainResult, common: dict) -> str:
+        job_id, run = pinned.job_id, self._run_of(pinned.job_id)
+        model_file = result.adapter_path / ADAPTER_MODEL
+        size = sum(p.stat().st_size for p in result.adapter_path.iterdir())
+        digest = file_digest(model_file)
+
+        def complete(s: Session, retried: bool) -> None:
+            if retried:
+                job = store.get_job(s, job_id, include_deleted=True)
+                if job is not None and job.state == states.COMPLETED and job.worker_id == self.worker_id:
+                    return  # the earlier attempt committed
+            store.require_owner(s, job_id, self.worker_id, run.attempt)
+            store.register_adapter(
+                s,
+                name=result.adapter_name,
+                job_id=job_id,
+                path=str(result.adapter_path),
+                size_bytes=size,
+                safetensors_sha256=digest,
+                rank=result.receipt["hyperparameters"]["rank"],
+                alpha=result.receipt["hyperparameters"]["alpha"],
+                base_model_sha256=self.resident.base_weights_sha256,
+            )
+            store.finish_job(
+                s,
+                job_id,
+                states.COMPLETED,
+                worker_id=self.worker_id,
+                attempt=run.attempt,
+                adapter_path=str(result.adapter_path),
+                **common,
+            )
+
+        try:
+            self.transact(complete)
+        except (store.LeaseLost, store.InvalidTransition):
+            self._settle_unrecorded_adapter(pinned, result.adapter_path)
+            raise OwnershipLost(f"job {job_id}: claim {run.attempt} no longer holds the job") from None
+        return "completed"
+
+    def _settle_unrecorded_adapter(self, pinned: PinnedJob, path: Path) -> None:
+        """Our claim was superseded after the adapter passed its fence checks. When the
+        reconciler completed the job from exactly this adapter it stays; otherwise the directory
+        this run renamed (and only that one, by inode) is taken back for the current owner."""
+        adapter = self.transact(lambda s, _: store.get_adapter(s, pinned.adapter_name))
+        if adapter is not None and adapter.job_id == pinned.job_id:
+            return
+        identity = self._run_of(pinned.job_id).fence.renamed_dirs.get(path)
+        if identity is not None:
+            take_back(path, identity)
+
     def _release_for_resume(self, job_id: str) -> str:
         """Worker shutdown mid-job: the checkpoint is written; expire our lease so the reconciler
         (here after a restart, or on another worker) resumes the job from it."""
+        attempt = self.run.attempt if self.run is not None else None
         with self.lease_lock:  # no heartbeat renews the lease we are about to expire
             self.run = None
 
         def release(s: Session, _: bool) -> bool:
             try:
-                store.renew_lease(s, job_id, self.worker_id, 0)
+                store.renew_lease(s, job_id, self.worker_id, 0, attempt=attempt)
             except store.LeaseLost:
                 return False
             # Marked `released`: a graceful release is not a lost delivery, so it does not count
@@ -660,3 +688,19 @@ def _record_checkpoint(s: Session, job_id: str, record: dict) -> None:
         size_bytes=record["size_bytes"],
         write_ms=record["write_ms"],
     )
+
+
+def _run_identity(pinned: PinnedJob) -> RunIdentity:
+    return RunIdentity(
+        adapter_name=pinned.adapter_name,
+        seed=pinned.effective_seed,
+        corpus_sha256=pinned.kept_corpus_sha256,
+        total_steps=pinned.total_steps,
+    )
+
+
+def _manifest_or_none(path: Path):
+    try:
+        return ckpt.read_checkpoint_manifest(path)[0]
+    except ckpt.CheckpointError:
+        return None

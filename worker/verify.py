@@ -38,6 +38,7 @@ class PinnedJob:
     """Plain copies of the job and admission columns the worker needs (no ORM objects)."""
 
     job_id: str
+    attempt: int  # the claim number (`attempts` after this claim): the run's fence
     adapter_name: str
     effective_seed: str
     resume_checkpoint: str | None

@@ -14,6 +14,7 @@ from kiln.store.admission import (
     next_queue_seq,
 )
 from kiln.store.artifacts import (
+    checkpoint_owner,
     delete_adapter,
     get_adapter,
     get_checkpoint,
@@ -51,6 +52,7 @@ from kiln.store.jobs import (
     renew_lease,
     request_cancel,
     require_job,
+    require_owner,
     step_recorded,
 )
 from kiln.store.models import (
@@ -72,9 +74,11 @@ from kiln.store.reconcile import (
     count_graceful_releases,
     expired_leases,
     fail_worker_lost,
+    requeue_for_restart,
     requeue_for_resume,
     restamp_published,
     stale_doorbells,
+    steps_recorded_through,
     unpublished_jobs,
 )
 from kiln.store.runners import get_runner, heartbeat_runner, live_runner, register_runner, stop_runner
@@ -96,6 +100,7 @@ __all__ = [
     "TrainingStep",
     "UtcDateTime",
     "append_event",
+    "checkpoint_owner",
     "claim_job",
     "complete_lost_job",
     "count_graceful_releases",
@@ -143,12 +148,15 @@ __all__ = [
     "renew_lease",
     "request_cancel",
     "require_job",
+    "require_owner",
+    "requeue_for_restart",
     "requeue_for_resume",
     "restamp_published",
     "session_factory",
     "stale_doorbells",
     "states",
     "step_recorded",
+    "steps_recorded_through",
     "stop_runner",
     "store_now",
     "unpublished_jobs",

@@ -27,9 +27,11 @@ def record_checkpoint(
     cursor: int,
     manifest_sha256: str,
     size_bytes: int,
-    write_ms: float,
+    write_ms: float | None,
+    adopted: bool = False,
 ) -> Checkpoint:
-    """Record a published checkpoint, make it the job's latest, and log `checkpoint_saved`."""
+    """Record a published checkpoint, make it the job's latest, and log `checkpoint_saved`.
+    `adopted`: a lost worker published it and did not live to record it (`write_ms` is None)."""
     checkpoint = Checkpoint(
         job_id=job_id,
         checkpoint_id=checkpoint_id,
@@ -55,15 +57,22 @@ def record_checkpoint(
         session,
         job_id,
         states.EVENT_CHECKPOINT_SAVED,
-        f"checkpoint {basename} at step {global_step}",
+        f"checkpoint {basename} at step {global_step}"
+        + (" adopted (published by a lost worker that did not record it)" if adopted else ""),
         data={
             "checkpoint": basename,
             "global_step": global_step,
             "size_bytes": size_bytes,
             "write_ms": write_ms,
+            "adopted": adopted,
         },
     )
     return checkpoint
+
+
+def checkpoint_owner(session: Session, basename: str) -> str | None:
+    """The job that recorded the checkpoint directory `basename`, or None (nobody did)."""
+    return session.scalar(select(Checkpoint.job_id).where(Checkpoint.basename == basename))
 
 
 def list_checkpoints(session: Session, job_id: str) -> list[Checkpoint]:

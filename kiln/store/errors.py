@@ -7,6 +7,8 @@ envelope as is; it raises the classes below for the service's internal rules.
 
 from __future__ import annotations
 
+from kiln_train.errors import OwnershipLost
+
 
 class StoreError(Exception):
     """Base class of the job store's internal errors."""
@@ -22,8 +24,9 @@ class InvalidTransition(StoreError):
         super().__init__(f"job {job_id}: cannot {wanted} from state {state!r}")
 
 
-class LeaseLost(StoreError):
-    """The worker no longer owns the running job (its lease was taken back by the reconciler)."""
+class LeaseLost(StoreError, OwnershipLost):
+    """The worker no longer owns the running job (its lease was taken back by the reconciler, or
+    a later claim holds it): the run stops and records nothing."""
 
     def __init__(self, job_id: str, worker_id: str) -> None:
         self.job_id = job_id

@@ -101,20 +101,30 @@ def claim_job(session: Session, job_id: str, worker_id: str, lease_seconds: floa
         return None
     job = get_job(session, job_id)
     assert job is not None
+    start = job.global_step or 0
     append_event(
         session,
         job_id,
         states.EVENT_STARTED,
-        f"claimed by {worker_id}",
-        data={"worker_id": worker_id, "attempt": job.attempts, "resume_checkpoint": job.resume_checkpoint},
+        f"claimed by {worker_id}: attempt {job.attempts}, starting at step {start}"
+        + (f" from {job.resume_checkpoint}" if job.resume_checkpoint else ""),
+        data={
+            "worker_id": worker_id,
+            "attempt": job.attempts,
+            "start_step": start,
+            "resume_checkpoint": job.resume_checkpoint,
+        },
     )
     return job
 
 
-def renew_lease(session: Session, job_id: str, worker_id: str, lease_seconds: float) -> bool:
+def renew_lease(
+    session: Session, job_id: str, worker_id: str, lease_seconds: float, *, attempt: int | None = None
+) -> bool:
     """Extend the worker's lease and heartbeat; returns whether a cancel was requested.
 
-    Raises `LeaseLost` when the job is no longer running under this worker.
+    Raises `LeaseLost` when the job is no longer running under this worker (and, with `attempt`,
+    under that claim of it: the fence, see `require_owner`).
     """
     now = store_now(session)
     return _touch_running(
@@ -122,7 +132,21 @@ def renew_lease(session: Session, job_id: str, worker_id: str, lease_seconds: fl
         job_id,
         worker_id,
         {"heartbeat_at": now, "lease_expires_at": now + timedelta(seconds=lease_seconds)},
+        attempt,
     )
+
+
+def require_owner(session: Session, job_id: str, worker_id: str, attempt: int) -> None:
+    """The fence: raise `LeaseLost` unless the job is running under `worker_id`'s claim number
+    `attempt` (each claim increments `attempts`, so a stale owner's claim never matches again).
+    Checked in the transaction of every write a run makes, so a stale run's write never commits."""
+    held = session.execute(
+        select(Job.id).where(
+            Job.id == job_id, Job.state == states.RUNNING, Job.worker_id == worker_id, Job.attempts == attempt
+        )
+    ).first()
+    if held is None:
+        raise LeaseLost(job_id, worker_id)
 
 
 def record_step(
@@ -138,6 +162,7 @@ def record_step(
     tokens: int,
     supervised_tokens: int,
     lease_seconds: float | None = None,
+    attempt: int | None = None,
 ) -> bool:
     """Store one optimizer step (the loss curve) and the job's progress and heartbeat.
 
@@ -153,7 +178,7 @@ def record_step(
     }
     if lease_seconds is not None:
         values["lease_expires_at"] = now + timedelta(seconds=lease_seconds)
-    cancel_requested = _touch_running(session, job_id, worker_id, values)
+    cancel_requested = _touch_running(session, job_id, worker_id, values, attempt)
     session.add(
         TrainingStep(
             job_id=job_id,
@@ -176,10 +201,15 @@ def step_recorded(session: Session, job_id: str, global_step: int) -> bool:
     return session.get(TrainingStep, (job_id, global_step)) is not None
 
 
-def _touch_running(session: Session, job_id: str, worker_id: str, values: dict[str, Any]) -> bool:
+def _touch_running(
+    session: Session, job_id: str, worker_id: str, values: dict[str, Any], attempt: int | None = None
+) -> bool:
+    conditions = [Job.id == job_id, Job.state == states.RUNNING, Job.worker_id == worker_id]
+    if attempt is not None:
+        conditions.append(Job.attempts == attempt)
     row = session.execute(
         update(Job)
-        .where(Job.id == job_id, Job.state == states.RUNNING, Job.worker_id == worker_id)
+        .where(*conditions)
         .values(**values)
         .returning(Job.cancel_requested)
         .execution_options(synchronize_session=False)
@@ -201,6 +231,7 @@ def finish_job(
     state: str,
     *,
     worker_id: str | None = None,
+    attempt: int | None = None,
     failure_reason: str | None = None,
     error_code: str | None = None,
     error_message: str | None = None,
@@ -214,7 +245,8 @@ def finish_job(
 ) -> Job:
     """End a running job `completed` or `failed` (with a failure reason); guarded on `running`.
 
-    With `worker_id`, only that worker's run may be finished (`LeaseLost` otherwise). Finishing
+    With `worker_id` (and `attempt`), only that worker's run (that claim of the job) may be
+    finished (`LeaseLost` otherwise). Finishing
     a job that is not running raises `InvalidTransition`. Fields left None keep their value.
     """
     if state == states.COMPLETED and failure_reason is not None:
@@ -240,6 +272,8 @@ def finish_job(
     conditions = [Job.id == job_id, Job.state == states.RUNNING]
     if worker_id is not None:
         conditions.append(Job.worker_id == worker_id)
+    if attempt is not None:
+        conditions.append(Job.attempts == attempt)
     result = session.execute(
         update(Job)
         .where(*conditions)

@@ -271,7 +271,7 @@ class Checkpoint(Base):
     cursor: Mapped[int] = mapped_column(Integer)
     manifest_sha256: Mapped[str] = mapped_column(String(71))
     size_bytes: Mapped[int] = mapped_column(BigInteger)
-    write_ms: Mapped[float] = mapped_column(Float)
+    write_ms: Mapped[float | None] = mapped_column(Float)  # None: adopted, not timed
     created_at: Mapped[datetime]
 
 

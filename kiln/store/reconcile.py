@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from sqlalchemy import delete, false, select, update
+from sqlalchemy import delete, false, func, select, update
 from sqlalchemy.orm import Session
 
 from kiln.store import states
@@ -156,6 +156,79 @@ def requeue_for_resume(session: Session, job_id: str, checkpoint: str, now: date
         data={"checkpoint": checkpoint, "global_step": row.global_step, "attempts": job.attempts},
     )
     return job
+
+
+def requeue_for_restart(
+    session: Session,
+    job_id: str,
+    *,
+    resume_checkpoint: str | None,
+    start_step: int,
+    reason: str,
+    now: datetime | None = None,
+) -> Job:
+    """Put a job whose lease expired back in the queue to run again from where it first started:
+    step 0, or the checkpoint its submission resumed (`resume_checkpoint`, at `start_step`). Its
+    seed and plan are pinned, so the run computes the same bits. Every step and checkpoint row is
+    dropped (the new attempt records them again)."""
+    now = now or store_now(session)
+    result = session.execute(
+        update(Job)
+        .where(
+            Job.id == job_id,
+            Job.state == states.RUNNING,
+            Job.lease_expires_at < now,
+            Job.cancel_requested == false(),
+        )
+        .values(
+            state=states.QUEUED,
+            worker_id=None,
+            lease_expires_at=None,
+            heartbeat_at=None,
+            published_at=None,
+            resume_checkpoint=resume_checkpoint,
+            latest_checkpoint=None,
+            global_step=start_step,
+            current_epoch=None,
+            current_loss=None,
+            queue_seq=next_queue_seq(session),
+        )
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:
+        current = get_job(session, job_id, include_deleted=True)
+        raise InvalidTransition(job_id, "restart an expired lease", current.state if current else None)
+    for table in (TrainingStep, Checkpoint):
+        session.execute(
+            delete(table).where(table.job_id == job_id).execution_options(synchronize_session=False)
+        )
+    job = get_job(session, job_id, include_deleted=True)
+    assert job is not None
+    append_event(
+        session,
+        job_id,
+        states.EVENT_REQUEUED,
+        f"{reason}; restarting from step {start_step}"
+        + (f" ({resume_checkpoint})" if resume_checkpoint else " with the pinned seed and plan"),
+        level=states.LEVEL_WARNING,
+        data={
+            "restart": True,
+            "checkpoint": resume_checkpoint,
+            "global_step": start_step,
+            "attempts": job.attempts,
+        },
+    )
+    return job
+
+
+def steps_recorded_through(session: Session, job_id: str, global_step: int) -> bool:
+    """Whether the loss curve holds every step 1..=`global_step` of the job."""
+    count = session.scalar(
+        select(func.count())
+        .select_from(TrainingStep)
+        .where(TrainingStep.job_id == job_id, TrainingStep.global_step <= global_step)
+    )
+    return int(count or 0) == global_step
 
 
 def fail_worker_lost(session: Session, job_id: str, now: datetime | None = None) -> Job:

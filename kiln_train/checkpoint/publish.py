@@ -14,6 +14,11 @@ Until step 7 nothing exists under the final name, and the staging dir (hidden, n
 `.kiln-checkpoint`, sentinel or no manifest) is never loadable; a later writer publishes the same
 name beside a stale one. An ordinary exception removes the staging dir; a crash leaves it.
 
+A service run passes a `fence` (checked right before the rename and again right after it, see
+`kiln_train.fencing`): a checkpoint already under the target name that a stale run of the same
+job wrote is then adopted when it is identical to this one (same manifest but for `created_at`,
+same file bytes) and withdrawn otherwise, instead of failing the run.
+
 Each step is a module-level function so tests can inject a crash at every stage. The GPU lock is
 the caller's business: pass artifacts as bytes already copied off the device (or a writer
 callable that encodes host tensors), so encoding, hashing and I/O run after its release.
@@ -43,8 +48,10 @@ from kiln_train.checkpoint.manifest import (
     CheckpointManifest,
     FileRecord,
     checkpoint_dir_name,
+    parse_manifest_bytes,
 )
 from kiln_train.checkpoint.rules import check_relpath, validate_manifest
+from kiln_train.fencing import Fence, adopt_files, fenced_rename, grab_leftover, put_back
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +193,118 @@ def sync_parent(registry_dir: Path) -> None:
     fs.fsync_dir(registry_dir)
 
 
+# ----- leftovers of a stale run of the same job -------------------------------------------------
+def _already_exists(basename: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint {basename!r} already exists; checkpoint names are never overwritten")
+
+
+def _read_leftover(hidden: Path) -> tuple[CheckpointManifest, bytes] | None:
+    """The manifest of a grabbed directory and its bytes (None when there is no readable one)."""
+    try:
+        if hidden.is_symlink() or not hidden.is_dir():
+            return None
+        data = fs.read_regular_file(hidden / MANIFEST_FILENAME, MANIFEST_FILENAME, "leftover")
+        return parse_manifest_bytes(data), data
+    except (CheckpointError, OSError):
+        return None
+
+
+def _complete(hidden: Path, manifest: CheckpointManifest) -> bool:
+    """Whether the grabbed directory holds exactly the files its manifest declares, byte for byte."""
+    try:
+        validate_manifest(manifest)
+        if set(fs.list_tree(hidden, "leftover")) != set(manifest.files) | {MANIFEST_FILENAME}:
+            return False
+        for rel, record in manifest.files.items():
+            if fs.hash_regular_file(hidden / rel, rel, "leftover") != (record.size_bytes, record.sha256):
+                return False
+    except (CheckpointError, OSError):
+        return False
+    return True
+
+
+def _identical(
+    manifest: CheckpointManifest, draft: ManifestDraft, artifacts: Mapping[str, Artifact], roles
+) -> bool:
+    """Whether `manifest` is what this publication would write, but for its `created_at`."""
+    files = {}
+    for rel, artifact in artifacts.items():
+        if not isinstance(artifact, bytes | bytearray | memoryview):
+            return False  # a writer callable: its bytes are unknown until written
+        data = bytes(artifact)
+        files[rel] = FileRecord(
+            role=roles[rel], size_bytes=len(data), sha256=hashlib.sha256(data).hexdigest()
+        )
+    ours = draft.to_manifest(files).model_dump(mode="json")
+    theirs = manifest.model_dump(mode="json")
+    ours.pop("created_at")
+    theirs.pop("created_at")
+    return ours == theirs
+
+
+def _settle_leftover(
+    registry_dir: Path,
+    target: Path,
+    draft: ManifestDraft,
+    artifacts: Mapping[str, Artifact],
+    roles: Mapping[str, str],
+    fence: Fence | None,
+) -> PublishedCheckpoint | None:
+    """Something holds the target name. A checkpoint a stale run of this job left there is adopted
+    (returned) when identical, else withdrawn (None: publish ours); anything else is refused."""
+    if fence is None or target.is_symlink():
+        raise _already_exists(target.name)
+    started = time.perf_counter()
+    hidden = grab_leftover(target, fence)  # one rename: nobody else can act on it now
+    if hidden is None:
+        return None
+    found = _read_leftover(hidden)
+    if found is None or not fence.leftover_checkpoint(target.name, found[0]):
+        put_back(hidden, target)
+        raise _already_exists(target.name)
+    manifest, manifest_bytes = found
+    if not (_complete(hidden, manifest) and _identical(manifest, draft, artifacts, roles)):
+        log.warning("withdrew %s: a stale run of this job left different or damaged content", target.name)
+        shutil.rmtree(hidden, ignore_errors=True)
+        return None
+    staging = create_staging(registry_dir, target.name)
+    try:
+        adopt_files(hidden, staging)
+        fs.fsync_tree(staging)
+        fenced_rename(staging, target, fence, rename_into_place)
+    except Exception:
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(hidden, ignore_errors=True)
+        raise
+    sync_parent(registry_dir)
+    log.warning("adopted %s: a stale run of this job had written exactly this checkpoint", target.name)
+    return PublishedCheckpoint(
+        path=target,
+        manifest=manifest,
+        manifest_sha256=hashlib.sha256(manifest_bytes).hexdigest(),
+        total_bytes=sum(r.size_bytes for r in manifest.files.values()) + len(manifest_bytes),
+        publish_ms=(time.perf_counter() - started) * 1000.0,
+    )
+
+
+def _place(
+    staging: Path, target: Path, fence: Fence | None, settle: Callable[[], PublishedCheckpoint | None] | None
+) -> PublishedCheckpoint | None:
+    """Rename the staging dir into place. When a stale run of the job renamed its own copy there
+    meanwhile, `settle` adopts it (returned) or withdraws it and the rename is tried again."""
+    for _ in range(3):
+        try:
+            fenced_rename(staging, target, fence, rename_into_place)
+            return None
+        except CheckpointError:
+            if settle is None or not (target.exists() or target.is_symlink()):
+                raise
+        adopted = settle()
+        if adopted is not None:
+            return adopted
+    raise _already_exists(target.name)
+
+
 # ----- the whole publication -------------------------------------------------------------------
 def publish_checkpoint(
     registry_dir: Path,
@@ -193,12 +312,13 @@ def publish_checkpoint(
     artifacts: Mapping[str, Artifact],
     *,
     roles: Mapping[str, str] | None = None,
+    fence: Fence | None = None,
 ) -> PublishedCheckpoint:
     """Publish `artifacts` with the manifest built from `draft` as
     `<registry_dir>/<adapter>-checkpoint-step-<global_step:08>.kiln-checkpoint`.
 
     `roles` gives the role of artifacts not named by `draft.state_files`. Bad input raises
-    `CheckpointError` before anything is written.
+    `CheckpointError` before anything is written. `fence`: see the module notes.
     """
     started = time.perf_counter()
     registry_dir = Path(registry_dir)
@@ -207,10 +327,14 @@ def publish_checkpoint(
     basename = checkpoint_dir_name(draft.adapter_name, draft.progress.global_step)
     target = registry_dir / basename
     registry_dir.mkdir(parents=True, exist_ok=True)
+
+    def settle() -> PublishedCheckpoint | None:
+        return _settle_leftover(registry_dir, target, draft, artifacts, role_map, fence)
+
     if target.exists() or target.is_symlink():
-        raise CheckpointError(
-            f"checkpoint {basename!r} already exists; checkpoint names are never overwritten"
-        )
+        adopted = settle()
+        if adopted is not None:
+            return adopted
 
     staging = create_staging(registry_dir, basename)
     try:
@@ -222,12 +346,15 @@ def publish_checkpoint(
         manifest, manifest_bytes = build_manifest(draft, files)
         write_manifest(staging, manifest_bytes, artifacts)
         remove_sentinel(staging)
-        rename_into_place(staging, target)
+        adopted = _place(staging, target, fence, settle if fence is not None else None)
     except Exception:
         # An ordinary failure leaves nothing behind; a crash (process death) would leave the
         # hidden staging dir, which is never loadable.
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    if adopted is not None:
+        shutil.rmtree(staging, ignore_errors=True)
+        return adopted
     sync_parent(registry_dir)
     publish_ms = (time.perf_counter() - started) * 1000.0
     total = sum(r.size_bytes for r in files.values()) + len(manifest_bytes)

@@ -58,7 +58,7 @@ def test_upgrade_downgrade_upgrade(url):
     try:
         assert current_revision(engine) is None
         upgrade_database(url)
-        assert current_revision(engine) == head_revision() == "0002"
+        assert current_revision(engine) == head_revision() == "0003"
         assert _objects(engine) == (TABLES, VIEWS)
 
         downgrade_database(url, "0001")
@@ -144,7 +144,7 @@ def test_alembic_by_hand_reads_kiln_database_url(url, tmp_path):
     )
     assert done.returncode == 0, done.stderr
     shown = subprocess.run([*command, "current"], cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert "0002 (head)" in shown.stdout
+    assert "0003 (head)" in shown.stdout
     engine = make_engine(url)
     try:
         assert _objects(engine) == (TABLES, VIEWS)

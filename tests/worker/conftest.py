@@ -57,3 +57,15 @@ def runtime(settings, resident):
     rt.start(threads=False)
     yield rt
     rt.stop()
+
+
+@pytest.fixture
+def second_worker(settings, resident):
+    """Another worker process on the same store and queue."""
+    from worker.celery_app import make_celery
+    from worker.runtime import WorkerRuntime
+
+    rt = WorkerRuntime(settings, resident, celery=make_celery(settings), worker_id="worker-2")
+    rt.start(threads=False)
+    yield rt
+    rt.stop()

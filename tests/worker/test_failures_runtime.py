@@ -65,18 +65,6 @@ def flaky(runtime) -> FlakyStore:
     return runtime.factory
 
 
-@pytest.fixture
-def second_worker(settings, resident):
-    """Another worker process on the same store and queue."""
-    from worker.celery_app import make_celery
-    from worker.runtime import WorkerRuntime
-
-    rt = WorkerRuntime(settings, resident, celery=make_celery(settings), worker_id="worker-2")
-    rt.start(threads=False)
-    yield rt
-    rt.stop()
-
-
 def checkpoint_names(settings, name: str) -> list[str]:
     return sorted(p.name for p in settings.adapters_dir.glob(f"{name}-checkpoint-step-*"))
 
@@ -256,16 +244,15 @@ def test_a_dead_workers_expired_lease_is_still_taken_over(client, runtime, secon
             .values(heartbeat_at=store.utcnow() - timedelta(seconds=5))
         )
     expire_lease(sessions, job_id)  # expired after the owner's last heartbeat: the owner died
-    assert second_worker.reconciler.run_once()["failed"] == 1
-    assert job_row(sessions, job_id).failure_reason == "worker_lost"
+    assert second_worker.reconciler.run_once()["resumed"] == 1  # no checkpoint: from step 0 again
+    job = job_row(sessions, job_id)
+    assert job.state == states.QUEUED and job.worker_id is None and job.failure_reason is None
 
 
-def test_a_worker_that_lost_its_job_stops_and_withdraws_what_it_published(
-    client, runtime, sessions, settings
-):
-    """The job was taken over (another owner now runs it). The old runner used to keep going
-    until its next progress write, publish and record a checkpoint under the new owner's name,
-    and then mark the job failed."""
+def test_a_worker_that_lost_its_job_stops_and_publishes_nothing_more(client, runtime, sessions, settings):
+    """The job was taken over (another owner now runs it) right after this worker recorded step 2:
+    the step-2 checkpoint it was about to publish fails its fence check, so nothing appears under
+    the new owner's names and nothing more is recorded."""
     name = unique_name("taken")
     job_id = submit(client, sft_body(4, epochs=1, checkpoint_interval=1, output_name=name))
     original = runtime._on_step
@@ -281,21 +268,16 @@ def test_a_worker_that_lost_its_job_stops_and_withdraws_what_it_published(
     job = job_row(sessions, job_id)
     assert job.state == states.RUNNING and job.worker_id == "worker-2" and job.failure_reason is None
     assert steps(sessions, job_id) == [1, 2]
-    assert checkpoint_names(settings, name) == [
-        f"{name}-checkpoint-step-00000001.kiln-checkpoint",
-        f"{name}-checkpoint-step-00000002.kiln-checkpoint",
-    ]
+    assert checkpoint_names(settings, name) == [f"{name}-checkpoint-step-00000001.kiln-checkpoint"]
     with sessions() as s:
-        assert [c.global_step for c in store.list_checkpoints(s, job_id)] == [1, 2]
+        assert [c.global_step for c in store.list_checkpoints(s, job_id)] == [1]
     assert not (settings.adapters_dir / name).exists()
+    assert [p.name for p in settings.adapters_dir.iterdir() if p.name.startswith(".")] == []
 
 
-def test_killed_between_publishing_and_recording_a_checkpoint_resumes_cleanly(
-    client, runtime, sessions, settings
-):
-    """The checkpoint was on disk under its final name but not in the store: the resume started
-    from the previous one and failed when it reached that step (names are never overwritten).
-    Now the unrecorded checkpoint is withdrawn and the resumed run writes and records it again."""
+def test_a_checkpoint_killed_between_publishing_and_recording_is_adopted(client, runtime, sessions, settings):
+    """The checkpoint was complete under its final name but not in the store (its step was): the
+    next attempt resumes from it, recorded as adopted, instead of redoing the steps before it."""
     name = unique_name("ckkill")
     job_id = submit(client, sft_body(3, epochs=2, checkpoint_interval=2, seed=5, output_name=name))
     original = runtime._on_checkpoint
@@ -314,11 +296,18 @@ def test_killed_between_publishing_and_recording_a_checkpoint_resumes_cleanly(
     expire_lease(sessions, job_id)
     assert runtime.reconciler.run_once()["resumed"] == 1
     job = job_row(sessions, job_id)
+    assert job.state == states.QUEUED and job.resume_checkpoint == step4 and job.global_step == 4
+    with sessions() as s:
+        adopted = store.get_checkpoint(s, job_id, step4)
+        assert adopted is not None and adopted.write_ms is None
+        events, _ = store.list_events(s, job_id, limit=1000)
+        assert any(e.kind == "checkpoint_saved" and (e.data or {}).get("adopted") for e in events)
+    from kiln_train import checkpoint as ckpt
+
     assert (
-        job.state == states.QUEUED
-        and job.resume_checkpoint == f"{name}-checkpoint-step-00000002.kiln-checkpoint"
+        "sha256:" + ckpt.load_checkpoint(settings.adapters_dir / step4).manifest_sha256
+        == adopted.manifest_sha256
     )
-    assert step4 not in checkpoint_names(settings, name)
     assert runtime.run_job(job_id) == "completed"
     job = job_row(sessions, job_id)
     assert job.state == states.COMPLETED and job.attempts == 2 and job.global_step == 6
@@ -326,7 +315,9 @@ def test_killed_between_publishing_and_recording_a_checkpoint_resumes_cleanly(
     with sessions() as s:
         assert [c.global_step for c in store.list_checkpoints(s, job_id)] == [2, 4]
         assert store.get_adapter(s, name).job_id == job_id
-    assert step4 in checkpoint_names(settings, name)
+        events, _ = store.list_events(s, job_id, limit=1000)
+    started = [e for e in events if e.kind == "started"]
+    assert [(e.data["attempt"], e.data["start_step"]) for e in started] == [(1, 0), (2, 4)]
 
 
 def test_a_recorded_checkpoint_damaged_on_disk_is_skipped_and_rewritten_on_resume(
@@ -407,7 +398,8 @@ def test_killed_before_the_adapter_rename_is_never_completed(
     client, runtime, sessions, settings, monkeypatch
 ):
     """A kill inside adapter publication leaves only a hidden staging directory: the job is not
-    completed from it and no final name appears."""
+    completed from it, the staging goes at once (its owner is known dead) and the job runs again
+    from step 0."""
     import kiln_train.trainer
 
     name = unique_name("prekill")
@@ -421,9 +413,14 @@ def test_killed_before_the_adapter_rename_is_never_completed(
     with pytest.raises(Killed):
         runtime.run_job(job_id)
     expire_lease(sessions, job_id)
-    assert runtime.reconciler.run_once()["failed"] == 1
+    assert runtime.reconciler.run_once()["resumed"] == 1
     job = job_row(sessions, job_id)
-    assert job.state == states.FAILED and job.failure_reason == "worker_lost"
+    assert job.state == states.QUEUED and job.global_step == 0 and job.resume_checkpoint is None
     assert not (settings.adapters_dir / name).exists()
+    assert not (settings.adapters_dir / f".{name}.incomplete-0000").exists()
     with sessions() as s:
         assert store.get_adapter(s, name) is None
+    monkeypatch.undo()
+    assert runtime.run_job(job_id) == "completed"
+    with sessions() as s:
+        assert store.get_adapter(s, name).job_id == job_id

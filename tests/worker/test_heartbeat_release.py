@@ -32,8 +32,9 @@ class _PausingFactory:
 
 def test_a_release_waits_for_the_heartbeat_that_already_read_the_run(client, runtime, sessions):
     job_id = submit(client, sft_body(2, output_name=unique_name("hb-race")))
-    assert runtime._claim(job_id) is not None
-    runtime.run = CurrentRun(job_id, 1)
+    pinned = runtime._claim(job_id)
+    assert pinned is not None
+    runtime.run = CurrentRun(job_id, 1, pinned.attempt)
     factory = runtime.factory
     pausing = runtime.factory = _PausingFactory(factory, "hb")
     outcome: list[str] = []
@@ -53,7 +54,7 @@ def test_a_release_waits_for_the_heartbeat_that_already_read_the_run(client, run
         runtime.factory = factory
     assert outcome == ["requeued"] and runtime.run is None
     job = job_row(sessions, job_id)
-    # Let go: requeued, or failed `worker_lost` (no checkpoint here), never running on a renewed lease.
+    # Let go: requeued (from step 0: no checkpoint here), never running on a renewed lease.
     renewed = job.lease_expires_at is not None and job.lease_expires_at > store.utcnow()
     assert not (job.state == "running" and renewed), (job.state, job.lease_expires_at)
-    assert job.state in ("queued", "failed")
+    assert job.state == "queued" and job.global_step == 0

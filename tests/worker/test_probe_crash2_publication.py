@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kiln_train import adapter as adapter_module
 from kiln_train.adapter import publish_adapter
 from kiln_train.errors import KilnError
 
@@ -32,22 +33,17 @@ def test_an_empty_directory_taking_the_name_at_the_last_moment_is_not_replaced(t
     registry.mkdir()
     name = "raced"
     target = registry / name
-    real_exists = Path.exists
-    checks = []
+    real_fsync_dir = adapter_module.fsync_dir
 
-    def exists_then_taken(self, *args, **kwargs):
-        found = real_exists(self, *args, **kwargs)
-        if self == target:
-            checks.append(found)
-            if len(checks) == 2:  # the last check before the rename: another publisher (an
-                target.mkdir()  # import, a restore) takes the name right after it
-        return found
+    def synced_then_taken(path):
+        real_fsync_dir(path)
+        if Path(path).name.startswith(f".{name}.incomplete-"):  # the staging is complete: another
+            target.mkdir()  # publisher (an import, a restore) takes the name right before the rename
 
-    monkeypatch.setattr(Path, "exists", exists_then_taken)
+    monkeypatch.setattr(adapter_module, "fsync_dir", synced_then_taken)
     with pytest.raises(KilnError) as refused:
         _publish(registry, name)
     monkeypatch.undo()
-    assert checks == [False, False]
     assert refused.value.code == "adapter_already_exists"
     assert target.is_dir() and list(target.iterdir()) == []  # theirs, untouched
     assert sorted(p.name for p in registry.iterdir()) == [name]  # no staging directory left behind

@@ -16,6 +16,7 @@ Real store (SQLite and Postgres) and real Redis; `Killed` stands in for SIGKILL 
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from sqlalchemy import update
@@ -23,6 +24,7 @@ from sqlalchemy import update
 from kiln import store
 from kiln.store import states
 from kiln.store.models import Job
+from kiln_train import checkpoint as ckpt
 from tests.api.conftest import sft_body, unique_name
 from tests.worker.test_failures_runtime import Killed, checkpoint_names, expire_lease
 from tests.worker.test_runtime import event_kinds, job_row, steps, submit
@@ -145,13 +147,18 @@ def test_crash_deliveries_still_exhaust_the_budget_after_graceful_releases(
 
 def test_a_reconciler_killed_before_withdrawing_does_not_doom_the_resume(client, runtime, sessions, settings):
     """The job was requeued from step 2, but the step-4 checkpoint its dead worker published
-    (never recorded) was still on disk: the resumed run failed with `already exists` at step 4."""
+    (never recorded, and damaged meanwhile, so not adoptable) was still on disk: the resumed run
+    failed with `already exists` at step 4."""
     name = unique_name("rckill")
     job_id = submit(client, sft_body(3, epochs=2, checkpoint_interval=2, seed=5, output_name=name))
     original = runtime._on_checkpoint
 
     def on_checkpoint(jid, record):
         if record["global_step"] == 4:
+            loop = Path(record["path"]) / ckpt.LOOP_STATE_FILE
+            data = loop.read_bytes()
+            loop.unlink()
+            loop.write_bytes(data.replace(b"{", b"{ ", 1))  # no longer the bytes its manifest names
             raise Killed  # the worker dies after the rename, before the row
         original(jid, record)
 
@@ -181,7 +188,6 @@ def test_a_reconciler_killed_before_withdrawing_does_not_doom_the_resume(client,
     with sessions() as s:
         recorded = store.list_checkpoints(s, job_id)
     assert [c.global_step for c in recorded] == [2, 4]
-    from kiln_train import checkpoint as ckpt
 
     rewritten = ckpt.load_checkpoint(settings.adapters_dir / step4, verify_hashes=True)
     assert recorded[1].manifest_sha256.removeprefix("sha256:") == rewritten.manifest_sha256

@@ -181,18 +181,65 @@ def test_worker_shutdown_releases_the_job_and_the_resume_is_bit_exact(
     assert history_a == history_b
 
 
-def test_expired_lease_without_checkpoint_fails_worker_lost(client, runtime, sessions):
-    job_id = submit(client, sft_body(2))
-    with sessions.begin() as s:
-        assert store.claim_job(s, job_id, "dead-worker", lease_seconds=30) is not None
-        s.execute(
-            update(Job).where(Job.id == job_id).values(lease_expires_at=store.utcnow() - timedelta(seconds=1))
-        )
-    done = runtime.reconciler.run_once()
-    assert done["failed"] == 1
-    job = job_row(sessions, job_id)
-    assert job.state == states.FAILED and job.failure_reason == "worker_lost"
+def test_an_expired_lease_without_checkpoint_restarts_from_step_zero(client, runtime, sessions, settings):
+    """No checkpoint to resume: the job runs again from step 0 with its pinned seed (the same
+    bits) while attempts remain; only then does it fail `worker_lost`."""
+    body = sft_body(2, seed=31)
+    reference = submit(client, {**body, "config": {**body["config"], "output_name": unique_name("ref")}})
+    assert runtime.run_job(reference) == "completed"
+    job_id = submit(client, body)
+    for attempt in range(1, settings.training.max_attempts + 1):
+        with sessions.begin() as s:
+            assert store.claim_job(s, job_id, "dead-worker", lease_seconds=30).attempts == attempt
+            store.record_step(
+                s,
+                job_id,
+                "dead-worker",
+                global_step=1,
+                epoch=0,
+                loss=1.0,
+                learning_rate=1e-3,
+                step_ms=1.0,
+                tokens=3,
+                supervised_tokens=1,
+            )
+            s.execute(
+                update(Job)
+                .where(Job.id == job_id)
+                .values(lease_expires_at=store.utcnow() - timedelta(seconds=1))
+            )
+        done = runtime.reconciler.run_once()
+        job = job_row(sessions, job_id)
+        if attempt < settings.training.max_attempts:
+            assert done["resumed"] == 1 and job.state == states.QUEUED and job.global_step == 0
+            assert steps(sessions, job_id) == []  # the lost attempt's rows are dropped
+            with sessions() as s:
+                events, _ = store.list_events(s, job_id, limit=1000)
+            requeued = [e for e in events if e.kind == "requeued"][-1]
+            assert requeued.data["restart"] is True and requeued.data["attempts"] == attempt
+            assert "restarting from step 0" in requeued.message
+        else:
+            assert done["failed"] == 1
+            assert job.state == states.FAILED and job.failure_reason == "worker_lost"
     assert runtime.run_job(job_id) == "dropped"
+
+
+def test_a_restarted_job_computes_the_same_adapter(client, runtime, sessions, settings):
+    body = sft_body(3, epochs=2, seed=32)
+    names = [unique_name("once"), unique_name("twice")]
+    first = submit(client, {**body, "config": {**body["config"], "output_name": names[0]}})
+    assert runtime.run_job(first) == "completed"
+    second = submit(client, {**body, "config": {**body["config"], "output_name": names[1]}})
+    with sessions.begin() as s:
+        assert store.claim_job(s, second, "dead-worker", lease_seconds=30) is not None
+        s.execute(
+            update(Job).where(Job.id == second).values(lease_expires_at=store.utcnow() - timedelta(seconds=1))
+        )
+    assert runtime.reconciler.run_once()["resumed"] == 1
+    assert runtime.run_job(second) == "completed"
+    assert job_row(sessions, second).attempts == 2
+    a, b = (settings.adapters_dir / n / "adapter_model.safetensors" for n in names)
+    assert a.read_bytes() == b.read_bytes()
 
 
 def test_unpublished_job_is_published_by_the_reconciler(client, app, runtime, sessions, settings, broker):
