@@ -207,17 +207,25 @@ class TrainingSettings(BaseModel):
         1024, le=MAX_INT, ge=1, description="Non-deleted jobs kept before 503 training_tracked_full."
     )
     lease_seconds: int = Field(
-        120, le=MAX_INT, ge=5, description="A running job whose lease is older is worker_lost."
+        120,
+        le=MAX_INT,
+        ge=5,
+        description="A running job whose lease ran out is taken over (resumed or restarted).",
     )
-    heartbeat_seconds: float = Field(5.0, gt=0, le=MAX_INT, description="Runner and job heartbeat period.")
+    heartbeat_seconds: float = Field(
+        5.0, gt=0, le=MAX_INT, description="Runner and job heartbeat period; at most lease_seconds / 3."
+    )
     runner_stale_seconds: int = Field(
-        60, le=MAX_INT, ge=5, description="A runner silent this long is not alive."
+        60, le=MAX_INT, ge=5, description="A runner silent this long is not alive; at least two heartbeats."
     )
     reconcile_interval_seconds: float = Field(
         30.0, gt=0, le=MAX_INT, description="Period of the worker's reconciler."
     )
     max_attempts: int = Field(
-        3, le=MAX_INT, ge=1, description="Deliveries of one job before it fails for good."
+        3,
+        le=MAX_INT,
+        ge=1,
+        description="Claims of one job (resumes and restarts) before it fails worker_lost.",
     )
 
     @model_validator(mode="after")

@@ -159,3 +159,34 @@ def test_config_show_exits_2_on_a_bad_configuration(tmp_path, monkeypatch):
 def test_readme_configuration_reference_is_the_generated_one():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert configuration_reference() in readme
+
+
+@pytest.mark.parametrize(
+    ("toml", "reason"),
+    [
+        (
+            "[training]\nlease_seconds = 10\nheartbeat_seconds = 5\n",
+            "heartbeat_seconds (5) must be at most lease_seconds / 3",
+        ),
+        (
+            "[training]\nheartbeat_seconds = 10\nrunner_stale_seconds = 15\nlease_seconds = 60\n",
+            "runner_stale_seconds (15) must be at least twice heartbeat_seconds (10)",
+        ),
+    ],
+)
+def test_contradicting_timings_stop_start_up_with_the_reason(tmp_path, monkeypatch, toml, reason):
+    monkeypatch.chdir(tmp_path)
+    write_toml(tmp_path, toml)
+    with pytest.raises(ConfigError) as refused:
+        load_settings()
+    assert reason in str(refused.value)
+    for command in (["config", "show"], ["worker"]):
+        result = CliRunner().invoke(cli, command)
+        assert result.exit_code == 2 and reason in result.output, result.output
+
+
+def test_timings_at_the_limits_are_accepted(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_toml(tmp_path, "[training]\nlease_seconds = 15\nheartbeat_seconds = 5\nrunner_stale_seconds = 10\n")
+    training = load_settings().settings.training
+    assert (training.lease_seconds, training.heartbeat_seconds, training.runner_stale_seconds) == (15, 5.0, 10)
