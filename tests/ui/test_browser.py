@@ -89,7 +89,8 @@ def documents(tab) -> list[str]:
 def test_upload_preflight_submit_and_watch_the_job_to_its_adapter(tab, stack, tmp_path):
     page = tab.page
     data = tmp_path / "support.jsonl"
-    data.write_text(jsonl([example(i) for i in range(4)] + [BAD_ROLE]))
+    # Demo conversations are long enough (about a second a step here) to watch the chart grow.
+    data.write_text(jsonl([json.loads(line) for line in DEMO.read_text().splitlines()[6:10]] + [BAD_ROLE]))
     adapter = name("support")
 
     page.goto("/#/train")
@@ -111,16 +112,23 @@ def test_upload_preflight_submit_and_watch_the_job_to_its_adapter(tab, stack, tm
     expect(page.locator("#sft-source-stored")).to_be_checked()
 
     page.fill("#sft-output-name", adapter)
-    page.fill("#sft-epochs", "2")
+    page.fill("#sft-epochs", "3")
     page.fill("#sft-lora-rank", "4")
     page.fill("#sft-lora-alpha", "8")
     page.fill("#sft-checkpoint-interval", "3")
+    page.fill("#sft-grad-checkpoint-segments", "2")
+    prompts = page.locator("#sft-adapter-smoke-prompts")
+    expect(prompts).to_be_disabled()  # until the smoke test is on
+    page.check("#sft-adapter-smoke-test")
+    expect(prompts).to_be_enabled()
+    prompts.fill("Say hello:")
     before = len(stack.jobs())
     page.click("#sft-preflight")
     result = page.locator("#preflight-result")
     expect(result).to_have_attribute("data-status", "200")
     expect(result).to_contain_text("4 kept, 1 rejected (of 5 read)")
-    expect(result).to_contain_text("8 (2 epoch(s) × 4 row(s))")
+    expect(result).to_contain_text("12 (3 epoch(s) × 4 row(s))")
+    expect(result).to_contain_text("2 (as requested)")
     (rejection,) = info["stats"]["rejections"]
     row = page.locator("#preflight-rejected tbody tr")
     expect(row).to_have_count(1)
@@ -132,7 +140,7 @@ def test_upload_preflight_submit_and_watch_the_job_to_its_adapter(tab, stack, tm
         "config": {
             "training_profile": "native_online_lora_v1",
             "output_name": adapter,
-            "epochs": 2,
+            "epochs": 3,
             "lora_rank": 4,
             "lora_alpha": 8,
             "optimizer": {
@@ -143,12 +151,16 @@ def test_upload_preflight_submit_and_watch_the_job_to_its_adapter(tab, stack, tm
                 "weight_decay": 0,
             },
             "invalid_row_policy": "skip",
+            "adapter_smoke_test": True,
+            "adapter_smoke_prompts": ["Say hello:"],
             "checkpoint_interval": 3,
+            "grad_checkpoint_segments": 2,
         },
     }
     status, plan = stack.api("POST", "/v1/train/sft/preflight", body)
     assert status == 200, plan
     expect(page.locator("#preflight-max-rank")).to_have_text(str(plan["max_lora_rank_that_fits"]))
+    tab.shot("train-preflight", DESKTOP)
     expect(result.locator(".against-budget .seg")).to_have_count(7)
     expect(result.locator(".memory")).to_have_attribute("data-fits", "true")
     assert len(stack.jobs()) == before  # a preflight queues nothing
@@ -167,24 +179,30 @@ def test_upload_preflight_submit_and_watch_the_job_to_its_adapter(tab, stack, tm
         ).text_content()
         assert time.monotonic() < deadline, seen
         time.sleep(0.25)
-    expect(page.locator("#job-steps")).to_have_text("8/8")
-    expect(page.locator("#job-loss-chart")).to_have_attribute("data-points", "8")
-    assert any(0 < n < 8 for n in seen), seen  # the chart grew while the job ran, without a reload
+    expect(page.locator("#job-steps")).to_have_text("12/12")
+    expect(page.locator("#job-loss-chart")).to_have_attribute("data-points", "12")
+    assert any(0 < n < 12 for n in seen), seen  # the chart grew while the job ran, without a reload
     assert len(documents(tab)) == loaded
     assert len(stack.jobs()) == before + 1
     detail = stack.get(f"/v1/train/jobs/{job_id}")
     assert detail["adapter_name"] == adapter and detail["training_data"]["dataset_path"] == "support.jsonl"
-    assert [p["step"] for p in detail["loss_history"]] == list(range(1, 9))
+    assert [p["step"] for p in detail["loss_history"]] == list(range(1, 13))
     receipt = page.locator("#receipt-summary")
     expect(receipt).to_contain_text(detail["train_receipt"]["hyperparameters"]["seed"])
     expect(receipt).to_contain_text("kt_tape_flce")
+    (canary,) = detail["train_receipt"]["adapter_smoke_test"]["prompts"]
+    canaries = page.locator("#canary-table tbody tr")
+    expect(canaries).to_have_count(1)
+    expect(canaries).to_contain_text("Say hello:")
+    expect(canaries.locator("td").nth(2)).to_have_text(canary["adapter_output"])
+    assert detail["replay_request"]["config"]["grad_checkpoint_segments"] == 2
     expect(page.locator("#job-events li[data-kind='completed']")).to_have_count(1)
     checkpoints = stack.get(f"/v1/checkpoints?adapter={adapter}")["checkpoints"]
-    assert [c["global_step"] for c in checkpoints] == [3, 6]
+    assert [c["global_step"] for c in checkpoints] == [3, 6, 9]
     written = [c["resume_checkpoint"] for c in checkpoints]
     rows = page.locator("#job-checkpoints tbody tr")
-    expect(rows).to_have_count(2)
-    assert [rows.nth(i).get_attribute("data-checkpoint") for i in range(2)] == written
+    expect(rows).to_have_count(3)
+    assert [rows.nth(i).get_attribute("data-checkpoint") for i in range(3)] == written
     tab.shot("job-page", DESKTOP)
     tab.shot("job-page", PHONE)
 
@@ -192,7 +210,6 @@ def test_upload_preflight_submit_and_watch_the_job_to_its_adapter(tab, stack, tm
 # ----- cancel, and resume from a checkpoint ---------------------------------------------------
 
 
-@pytest.mark.slow
 def test_cancel_a_queued_and_a_running_job_then_resume_from_its_checkpoint(tab, stack):
     page = tab.page
     rows = [json.loads(line) for line in DEMO.read_text().splitlines()[:6]]
@@ -301,6 +318,7 @@ def test_a_job_that_will_not_fit_shows_the_413_breakdown(tab, stack):
             re.compile(r"\d+(\.\d+)? (B|KiB|MiB|GiB)")
         )
     expect(result.locator(".legend")).to_contain_text(f"budget {TRAINING_MEMORY_GB * 1024:.0f} MiB")
+    tab.shot("train-413", DESKTOP)
     page.click("#sft-submit")
     banner = page.locator("#sft-error")
     expect(banner).to_have_attribute("data-status", "413")
@@ -407,7 +425,6 @@ def test_a_job_can_be_submitted_with_the_keyboard_alone(tab, stack):
 # ----- adapters -------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_adapters_receipt_download_compare_and_delete(tab, stack, tmp_path):
     page = tab.page
     first, second = name("cmp-a"), name("cmp-b")

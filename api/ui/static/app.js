@@ -1004,7 +1004,7 @@ function receiptView(detail) {
   const phases = Object.entries(timings).filter(([k, v]) => k.endsWith("_ms") && v > 0).map(([k, v]) => `${k.replace(/_ms$/, "")} ${Math.round(v)} ms`);
   const view = el("div", { id: "receipt-summary" }, pairs([
     ["status", receipt.status],
-    ["failure", receipt.failure_reason],
+    ["failure", receipt.failure_reason || undefined],
     ["loss route", runtime.sft_loss_route],
     ["learning rate", fmtNumber(hyper.learning_rate)],
     ["seed", hyper.seed],
@@ -1108,10 +1108,11 @@ async function showCheckpoints(detail) {
   const newest = Math.max(...checkpoints.map((c) => c.global_step));
   for (const c of checkpoints) {
     const s = c.summary;
-    const canResume = s && !s.complete && detail.replay_request && c.global_step === newest;
+    // A completed run published its adapter: only a stopped one has something left to resume.
+    const canResume = s && !s.complete && detail.state === "failed" && detail.replay_request && c.global_step === newest;
     tbody.append(el("tr", { dataset: { checkpoint: c.resume_checkpoint } },
       el("td", { class: "num", text: s ? `${s.global_step}/${s.total_steps}` : String(c.global_step) }),
-      el("td", { text: s ? s.created_at : c.error }),
+      el("td", { text: s ? fmtTime(Date.parse(s.created_at)) : c.error }),
       el("td", {}, canResume ? el("button", {
         type: "button", class: "small resume", text: "Resume from here",
         onclick: () => {
