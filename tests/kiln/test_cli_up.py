@@ -17,10 +17,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-import psutil
 import pytest
 
 from kiln.store import current_revision, downgrade_database, head_revision, make_engine, upgrade_database
+from tests.kiln.test_cli_probe_demo import demo_processes
 from tests.ui.conftest import clean_env, free_port, stop_up, wait_for_line
 
 KILN = [sys.executable, "-m", "kiln.cli.main"]
@@ -37,19 +37,10 @@ def up(root: Path, port: int, log: Path, *extra: str) -> subprocess.Popen:
         )
 
 
-def children_of(root: Path) -> list[psutil.Process]:
-    """Live `kiln serve` / `kiln worker` processes started for this root."""
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            cmdline = " ".join(proc.info["cmdline"] or [])
-            if "kiln.cli.main" not in cmdline or " up " in f"{cmdline} ":
-                continue
-            if proc.environ().get("KILN_STORAGE_ROOT") == str(root) and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
+def children_of(root: Path):
+    """Live `kiln serve` / `kiln worker` processes of this root (`kiln up` itself gets the root as
+    a flag, its children in their environment)."""
+    return demo_processes(root)
 
 
 def wait_gone(root: Path, within: float = 30.0) -> None:

@@ -1,7 +1,7 @@
 # ruff: noqa: F811  (fixtures imported from tests.api.conftest are used as parameters below)
 """Fixtures for the browser tests: a live `kiln up` (real api and worker processes, SQLite, the
 tiny model) per module, Debian's Chromium driven by Playwright (no browser download), and the
-directory screenshots are kept in (`KILN_UI_ARTIFACTS`, default tests/ui/artifacts/, printed at
+directory screenshots are kept in (`UI_TEST_ARTIFACTS`, default tests/ui/artifacts/, printed at
 the end of the run).
 
 The stack caps training memory at `TRAINING_MEMORY_GB` so a very long row is a real 413 while
@@ -39,7 +39,7 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-ARTIFACTS = Path(os.environ.get("KILN_UI_ARTIFACTS") or Path(__file__).parent / "artifacts")
+ARTIFACTS = Path(os.environ.get("UI_TEST_ARTIFACTS") or Path(__file__).parent / "artifacts")
 DESKTOP = {"width": 1280, "height": 800}
 PHONE = {"width": 390, "height": 844}
 TRAINING_MEMORY_GB = 0.2

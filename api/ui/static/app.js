@@ -216,6 +216,7 @@ function poll(fn, ms) {
     } catch (err) {
       if (err instanceof ApiFailure && err.status === 401) return;
       showGlobalError(err.message);
+      if (err instanceof ApiFailure && err.status === 404) return; // gone (a deleted job): stop asking
     }
     if (again && mine === generation) {
       const t = setTimeout(tick, ms);
