@@ -36,7 +36,6 @@ class PreflightMemory(_Out):
 
 
 class PreflightResponse(_Out):
-    ok: bool = Field(description="Always true: a request that would be refused gets the refusal.")
     message: str
     runner_id: str
     rows_read: int
@@ -96,7 +95,6 @@ def preflight_sft(svc: Services, body: object) -> PreflightResponse:
     rows = len(ingestion.rows)
     total_steps = config.epochs * rows
     return PreflightResponse(
-        ok=True,
         message=(
             f"would admit {rows} row(s) x {config.epochs} epoch(s) = {total_steps} step(s), "
             f"{segments.num_segments} checkpoint segment(s); nothing was queued"

@@ -32,8 +32,7 @@ def list_view() -> Response:
         check_adapter_name(adapter)
     root = services().settings.adapters_dir
     found = []
-    entries = sorted(root.iterdir(), key=lambda p: p.name) if root.is_dir() else []
-    for path in entries:
+    for path in root.iterdir() if root.is_dir() else []:
         match = CHECKPOINT_DIR_RE.match(path.name)
         if match is None or not path.is_dir() or (adapter is not None and match["adapter"] != adapter):
             continue
