@@ -568,11 +568,11 @@ def advice(breakdown: Breakdown, *, rank_ceiling: int, tried: list[int] | None =
 def will_not_fit(
     breakdown: Breakdown, available_bytes: int, *, rank_ceiling: int, tried: list[int] | None = None
 ) -> KilnError:
-    """The 413 error: code `training_will_not_fit`, message per kiln-contract §7.5. The numbers
-    also ride along as `breakdown` (bytes, and the budget) for clients that draw them."""
+    """The 413 error: code `training_will_not_fit`, message per kiln-contract §7.5."""
     error = KilnError(
         TRAINING_WILL_NOT_FIT,
         will_not_fit_message(breakdown, available_bytes, rank_ceiling=rank_ceiling, tried=tried),
     )
+    # The numbers ride along in bytes (with the budget) for clients that draw them.
     error.breakdown = {**breakdown.to_dict(), "available_bytes": available_bytes}
     return error
