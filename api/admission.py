@@ -172,11 +172,17 @@ def check_base_adapter(config: SftConfig, adapters_dir: Path, model: Qwen35Confi
         raise invalid_request(f"config.base_adapter {name!r}: {exc.message}") from None
 
 
-def admit_sft(svc: Services, body: object, idempotency_key: str | None) -> Admitted:
-    """Admit one SFT request or raise the contract error that rejects it (nothing written)."""
-    request = parse_sft_request(body)  # (1)
+def parse_submission(body: object) -> SftRequest:
+    """Step 1: the body as a request, its names and its dataset_path length checked (400)."""
+    request = parse_sft_request(body)
     check_request_names(request.config)
     check_dataset_path_length(request)
+    return request
+
+
+def admit_sft(svc: Services, body: object, idempotency_key: str | None) -> Admitted:
+    """Admit one SFT request or raise the contract error that rejects it (nothing written)."""
+    request = parse_submission(body)  # (1)
     key = check_idempotency_key(idempotency_key)
     fingerprint = request_fingerprint(body)
     try:
@@ -194,26 +200,12 @@ def admit_sft(svc: Services, body: object, idempotency_key: str | None) -> Admit
 
 
 def _admit(svc: Services, request: SftRequest, key: str | None, fingerprint: str) -> Admitted:
-    settings = svc.settings
-    with svc.sessions() as session:
-        if key is not None:  # (2)
+    if key is not None:  # (2)
+        with svc.sessions() as session:
             replay = _replay(session, key, fingerprint)
-            if replay is not None:
-                return replay
-        _check_limits(session, svc)  # (3)
-        runner = live_runner(session, settings.training.runner_stale_seconds)  # (4)
-        if runner is None:
-            raise KilnError(
-                TRAINING_NO_RUNNER,
-                "no live training runner: no worker has sent a heartbeat within "
-                f"{settings.training.runner_stale_seconds} s",
-            )
-        target = runner_target(runner)  # (5)
-        check_static_gates(target, request.config)
-        check_base_adapter(request.config, settings.adapters_dir, target.model)
-        if request.config.output_name is not None:
-            _check_adapter_free(session, svc, request.config.output_name)
-    plan = _prepare(svc, request, target)  # (6)-(9), no transaction held
+        if replay is not None:
+            return replay
+    plan = plan_sft(svc, request)  # (3)-(9), no transaction held
     with svc.sessions.begin() as session:  # (10)
         lock_admissions(session)
         if key is not None:
@@ -243,6 +235,30 @@ def _admit(svc: Services, request: SftRequest, key: str | None, fingerprint: str
         f"{plan.segments.num_segments} checkpoint segment(s); queued"
     )
     return Admitted(job=job, summary=summary, message=message, replayed=False, published=published)
+
+
+def plan_sft(svc: Services, request: SftRequest) -> _Plan:
+    """Steps 3-9 for a parsed request: limits, the live runner, the static gates, the names, the
+    resume point, defaults, ingestion and the memory plan. Writes nothing, so a preflight is this
+    and no more; raises the error the submission would get."""
+    settings = svc.settings
+    with svc.sessions() as session:
+        _check_limits(session, svc)  # (3)
+        runner = live_runner(session, settings.training.runner_stale_seconds)  # (4)
+        if runner is None:
+            raise KilnError(
+                TRAINING_NO_RUNNER,
+                "no live training runner: no worker has sent a heartbeat within "
+                f"{settings.training.runner_stale_seconds} s",
+            )
+        target = runner_target(runner)  # (5)
+        check_static_gates(target, request.config)
+        check_base_adapter(request.config, settings.adapters_dir, target.model)
+        if request.config.output_name is not None:
+            _check_adapter_free(session, svc, request.config.output_name)
+    plan = _prepare(svc, request, target)  # (6)-(9)
+    _check_no_later_checkpoints(svc, plan)  # checked again inside the commit (10)
+    return plan
 
 
 def publish(svc: Services, job_id: str) -> bool:

@@ -1,7 +1,7 @@
 """Bearer-token auth (DESIGN.md §1; kiln-contract §1 has none: loopback was the boundary).
 
 With `server.api_tokens` set, every route but the probes (`/health`, `/v1/health`, `/metrics`)
-needs `Authorization: Bearer <token>`; tokens are compared in constant time. Without tokens the
+and the browser UI's static files (`/`, `/ui/...`: no data in them) needs `Authorization: Bearer <token>`; tokens are compared in constant time. Without tokens the
 api is open, and `kiln serve` refuses a non-loopback bind unless explicitly allowed.
 """
 
@@ -13,6 +13,7 @@ from flask import Flask, request
 
 from api.errors import UNAUTHORIZED, ApiError
 from api.openapi import PUBLIC_PATHS
+from api.ui import is_ui_path
 
 
 def token_matches(presented: str, tokens: list[str]) -> bool:
@@ -30,7 +31,7 @@ def install_auth(app: Flask, tokens: list[str]) -> None:
 
     @app.before_request
     def _require_bearer() -> None:
-        if request.path in PUBLIC_PATHS:
+        if request.path in PUBLIC_PATHS or is_ui_path(request.path):
             return
         header = request.headers.get("Authorization", "")
         scheme, _, presented = header.partition(" ")

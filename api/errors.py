@@ -10,6 +10,7 @@ handlers never see routing errors (peers.md §4.1).
 
 from __future__ import annotations
 
+import json
 import logging
 
 from flask import Flask, Response, jsonify
@@ -29,6 +30,8 @@ IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"
 DATABASE_UNAVAILABLE = "database_unavailable"
 TRAINING_JOB_ACTIVE = "training_job_active"
 UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
+
+MEMORY_BREAKDOWN_HEADER = "Kiln-Memory-Breakdown"
 
 # code -> (status, Retry-After seconds or None, static hint)
 API_ERRORS: dict[str, tuple[int, int | None, str]] = {
@@ -74,6 +77,9 @@ def error_response(error: KilnError) -> Response:
         response.headers["Retry-After"] = str(error.retry_after)
     if error.status == 401:
         response.headers["WWW-Authenticate"] = 'Bearer realm="kiln"'
+    breakdown = getattr(error, "breakdown", None)
+    if breakdown is not None:  # a 413 training_will_not_fit: its numbers, exact, beside the envelope
+        response.headers[MEMORY_BREAKDOWN_HEADER] = json.dumps(breakdown, separators=(",", ":"))
     return response
 
 

@@ -19,6 +19,18 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from api import schemas
+from api.datasets import (
+    DATASET_NAME_MAX,
+    DATASET_NAME_PATTERN,
+    INSPECT_PAGE_MAX,
+    NDJSON,
+    DatasetInfo,
+    DatasetList,
+    DeletedDataset,
+    InspectResponse,
+)
+from api.preflight import PreflightResponse
+from api.ui import is_ui_path
 from kiln.store import Admission
 from kiln.store.events import MAX_EVENT_PAGE
 from kiln.store.jobs import JOB_ID_MAX
@@ -39,6 +51,8 @@ PATH_PARAMETERS: dict[str, dict] = {
         "pattern": "^[A-Za-z0-9._-]{1,255}$",
         "not": {"anyOf": [{"enum": [".", ".."]}, {"pattern": "\\.kiln-checkpoint$"}]},
     },
+    "dataset": {"type": "string", "pattern": DATASET_NAME_PATTERN, "maxLength": DATASET_NAME_MAX},
+    "filename": {"type": "string", "minLength": 1},
 }
 
 
@@ -70,15 +84,38 @@ class QueryInt:
 
 
 @dataclass(frozen=True)
+class QueryStr:
+    """A string query parameter and what the route accepts."""
+
+    description: str
+    schema_: dict
+    required: bool = False
+
+    def schema(self) -> dict:
+        return self.schema_
+
+
+POLICY_QUERY = QueryStr(
+    "invalid_row_policy applied to the rows.", {"type": "string", "enum": ["fail", "skip"]}
+)
+PAGE_QUERY = {
+    "offset": QueryInt("Rows to skip before the page.", 0, MAX_EVENT_ID),
+    "limit": QueryInt("Rows in the page.", 1, INSPECT_PAGE_MAX),
+}
+
+
+@dataclass(frozen=True)
 class Route:
     method: str
     path: str  # OpenAPI form: /v1/train/status/{job_id}
     summary: str
     ok: type[BaseModel] | str | None  # model, a media type (raw body), or None
     body: type[BaseModel] | None = None
-    query: dict[str, QueryInt] = field(default_factory=dict)
+    query: dict[str, QueryInt | QueryStr] = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)  # request headers -> description
     ok_is_list: bool = False
+    raw_body: str | None = None  # media type of a body that is not JSON (JSON Lines uploads)
+    ok_status: str = "200"
 
 
 ROUTES: tuple[Route, ...] = (
@@ -126,6 +163,64 @@ ROUTES: tuple[Route, ...] = (
     ),
     Route("get", "/metrics", "Prometheus metrics", "text/plain"),
     Route("get", "/openapi.json", "This document", "application/json"),
+    # ----- the browser UI and the routes it brought -----
+    Route(
+        "post",
+        "/v1/train/sft/preflight",
+        "A submission's whole admission without the job: the plan, or the error it would get",
+        PreflightResponse,
+        body=SftRequest,
+    ),
+    Route(
+        "post",
+        "/v1/datasets",
+        "Validate and store a JSON Lines dataset under a new name",
+        DatasetInfo,
+        query={
+            "name": QueryStr(
+                "The dataset's name (never overwritten).",
+                {"type": "string", "pattern": DATASET_NAME_PATTERN, "maxLength": DATASET_NAME_MAX},
+                required=True,
+            ),
+            "invalid_row_policy": POLICY_QUERY,
+        },
+        raw_body=NDJSON,
+        ok_status="201",
+    ),
+    Route("get", "/v1/datasets", "Stored datasets", DatasetList),
+    Route("get", "/v1/datasets/{dataset}", "A stored dataset: rows, tokens, rejections", DatasetInfo),
+    Route(
+        "delete", "/v1/datasets/{dataset}", "Delete a dataset no queued or running job uses", DeletedDataset
+    ),
+    Route(
+        "get",
+        "/v1/datasets/{dataset}/inspect",
+        "A stored dataset's rows as ingestion sees them",
+        InspectResponse,
+        query={"invalid_row_policy": POLICY_QUERY, **PAGE_QUERY},
+    ),
+    Route(
+        "post",
+        "/v1/data/inspect",
+        "JSON Lines rows as ingestion sees them (nothing stored)",
+        InspectResponse,
+        query={"invalid_row_policy": POLICY_QUERY, **PAGE_QUERY},
+        raw_body=NDJSON,
+    ),
+    Route(
+        "get",
+        "/v1/checkpoints",
+        "Exact checkpoints in the adapter registry",
+        schemas.CheckpointList,
+        query={
+            "adapter": QueryStr(
+                "Only this adapter's checkpoints.", {"type": "string", "pattern": "^[A-Za-z0-9._-]{1,255}$"}
+            )
+        },
+    ),
+    Route("get", "/", "The browser UI", "text/html"),
+    Route("get", "/ui/defaults.json", "The SFT form's defaults (the server's)", "application/json"),
+    Route("get", "/ui/{filename}", "A file of the browser UI", "application/octet-stream"),
 )
 
 # ----- request-body constraints the validators enforce (kiln_train.sft_config, api.admission) -----
@@ -268,7 +363,13 @@ def _raw_schema(media_type: str) -> dict:
 def _operation(route: Route, auth: bool) -> dict:
     params = _path_parameters(route.path)
     params += [
-        {"name": n, "in": "query", "required": False, "description": q.description, "schema": q.schema()}
+        {
+            "name": n,
+            "in": "query",
+            "required": getattr(q, "required", False),
+            "description": q.description,
+            "schema": q.schema(),
+        }
         for n, q in route.query.items()
     ]
     params += [
@@ -287,13 +388,15 @@ def _operation(route: Route, auth: bool) -> dict:
     op: dict = {
         "summary": route.summary,
         "operationId": f"{route.method}_{route.path.strip('/').replace('/', '_').replace('{', '').replace('}', '')}",
-        "responses": {"200": {"description": "OK", "content": content}, "default": error},
+        "responses": {route.ok_status: {"description": "OK", "content": content}, "default": error},
     }
     if params:
         op["parameters"] = params
     if route.body is not None:
         op["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(route.body)}}}
-    if auth and route.path not in PUBLIC_PATHS:
+    if route.raw_body is not None:
+        op["requestBody"] = {"required": True, "content": {route.raw_body: {"schema": {"type": "string"}}}}
+    if auth and route.path not in PUBLIC_PATHS and not is_ui_path(route.path):
         op["security"] = [{"bearer": []}]
     return op
 

@@ -258,3 +258,17 @@ class ConfigResponse(_Out):
     memory: dict[str, Any]
     runner: RunnerSummary | None
     serving_profile: ServingProfile
+
+
+class CheckpointEntry(_Out):
+    """One exact checkpoint directory in the registry (`GET /v1/checkpoints`)."""
+
+    adapter_name: str
+    resume_checkpoint: str = Field(description="What config.resume_checkpoint names.")
+    global_step: int
+    summary: TrainingCheckpointSummary | None
+    error: str | None = Field(description="Why the manifest could not be read; null when it could.")
+
+
+class CheckpointList(_Out):
+    checkpoints: list[CheckpointEntry]

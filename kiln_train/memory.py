@@ -569,7 +569,10 @@ def will_not_fit(
     breakdown: Breakdown, available_bytes: int, *, rank_ceiling: int, tried: list[int] | None = None
 ) -> KilnError:
     """The 413 error: code `training_will_not_fit`, message per kiln-contract §7.5."""
-    return KilnError(
+    error = KilnError(
         TRAINING_WILL_NOT_FIT,
         will_not_fit_message(breakdown, available_bytes, rank_ceiling=rank_ceiling, tried=tried),
     )
+    # The numbers ride along in bytes (with the budget) for clients that draw them.
+    error.breakdown = {**breakdown.to_dict(), "available_bytes": available_bytes}
+    return error

@@ -27,6 +27,7 @@ from kiln.cli.client_view import (
     TERMINAL_STATES,
     describe_admission,
     describe_job,
+    describe_preflight,
     echo_table,
     emit_json,
     format_bytes,
@@ -65,6 +66,7 @@ from kiln_train.sft_config import OPTIMIZER_KINDS
 SUBMIT_TIMEOUT_S = 330.0
 EVENT_PAGE = 100
 REPLAY_HEADER = "Idempotent-Replayed"
+PREFLIGHT_PATH = "/v1/train/sft/preflight"
 
 
 def register(cli: click.Group) -> None:
@@ -198,6 +200,11 @@ def register_train(train: click.Group) -> None:
     @click.option(
         "--idempotency-key", metavar="KEY", help="Resubmitting with the same key never double-admits."
     )
+    @click.option(
+        "--dry-run",
+        is_flag=True,
+        help="Run the whole admission (preflight) and print the plan; nothing is queued.",
+    )
     @click.option("--no-wait", is_flag=True, help="Print the admission and return.")
     @click.option("--poll-interval", type=float, default=1.0, hidden=True)
     @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
@@ -208,6 +215,7 @@ def register_train(train: click.Group) -> None:
         as_dataset_path: bool,
         adapter_smoke_prompts_file: Path | None,
         idempotency_key: str | None,
+        dry_run: bool,
         no_wait: bool,
         poll_interval: float,
         as_json: bool,
@@ -224,6 +232,17 @@ def register_train(train: click.Group) -> None:
         else:
             examples, lines = read_examples(Path(data), options.get("invalid_row_policy"))
             body = {"examples": examples, "config": config}
+        if dry_run:
+            try:
+                plan = client.request("POST", PREFLIGHT_PATH, body=body, timeout=SUBMIT_TIMEOUT_S).body
+            except ApiError as err:
+                annotate_rows(err, lines, Path(data))
+                raise
+            if as_json:
+                emit_json(plan)
+            else:
+                describe_preflight(plan)
+            return
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key is not None else None
         try:
             reply = client.request(

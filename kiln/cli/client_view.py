@@ -160,6 +160,38 @@ def describe_admission(admission: dict, replayed: bool) -> None:
         click.echo(f"  {admission['message']}")
 
 
+def describe_preflight(plan: dict) -> None:
+    """`kiln train sft --dry-run`: the plan the submission would be admitted with."""
+    click.echo(f"preflight: {plan['message']}")
+    drawn = set(plan.get("drawn") or [])
+    config = plan.get("effective_config") or {}
+    memory = plan["memory"]
+    echo_pairs(
+        [
+            (
+                "rows",
+                f"{plan['rows_kept']} kept, {plan['rows_rejected']} rejected (of {plan['rows_read']} read)",
+            ),
+            ("steps", f"{plan['total_steps']} ({plan['epochs']} epoch(s))"),
+            (
+                "segments",
+                f"{plan['grad_checkpoint_segments']} gradient-checkpoint segment(s)"
+                + (" (planned)" if plan.get("auto_segments") else ""),
+            ),
+            ("tokens", f"{plan['total_tokens']} (supervised {plan['total_supervised_tokens']})"),
+            ("learning rate", f"{plan['learning_rate']:g}"),
+            ("seed", "drawn at submission" if "seed" in drawn else str(config.get("seed"))),
+            (
+                "memory estimate",
+                f"{format_bytes(memory['estimate_bytes'])} of {format_bytes(memory['available_bytes'])} available",
+            ),
+            ("largest rank that fits", str(plan["max_lora_rank_that_fits"])),
+        ]
+    )
+    for row in plan.get("rejected_rows") or []:
+        click.echo(f"  rejected row {row['row_index']} ({row['row_sha256']}): {row['reason']}")
+
+
 def receipt_summary(detail: dict) -> list[tuple[str, str]]:
     """The receipt's headline figures (kiln-contract §4): what a finished run did and cost."""
     receipt = detail.get("train_receipt")

@@ -29,6 +29,7 @@ from kiln.cli.tokenizer_cmd import cached_tokenizer
 from kiln_train.chat_template import load_model_chat_template, select_training_template, training_template
 from kiln_train.errors import KilnError
 from kiln_train.ingestion import RowOutcome, apply_invalid_row_policy, iter_jsonl_outcomes
+from kiln_train.ingestion_inspect import row_facts
 from kiln_train.ingestion_receipt import POLICIES
 from kiln_train.tokenizer import load_tokenizer
 
@@ -81,25 +82,6 @@ def highlight(text: str, spans, color: bool) -> str:
     return "".join(out)
 
 
-def row_json(outcome: RowOutcome) -> dict:
-    if outcome.kept:
-        row = outcome.tokenized
-        return {
-            "row_index": row.row_index,
-            "row_sha256": row.row_sha256,
-            "seq_len": row.seq_len,
-            "supervised_tokens": row.supervised_tokens,
-            "input_ids": row.input_ids,
-            "labels": row.labels,
-        }
-    return {
-        "row_index": outcome.row_index,
-        "row_sha256": outcome.row_sha256,
-        "rejection": outcome.reason,
-        "detail": outcome.detail,
-    }
-
-
 def echo_row(outcome: RowOutcome, color: bool) -> None:
     if outcome.kept:
         row = outcome.tokenized
@@ -144,7 +126,7 @@ def register(cli: click.Group) -> None:
         color = not as_json and sys.stdout.isatty()
         for outcome in outcomes:
             if as_json:
-                click.echo(json.dumps(row_json(outcome)))
+                click.echo(json.dumps(row_facts(outcome)))
             else:
                 echo_row(outcome, color)
         try:

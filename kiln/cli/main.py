@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "kiln.cli.worker_cmd",
     "kiln.cli.client_cmd",
     "kiln.cli.demo_cmd",
+    "kiln.cli.up_cmd",
 )
 
 

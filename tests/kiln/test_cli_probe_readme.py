@@ -115,5 +115,6 @@ def test_every_curl_example_is_a_route_with_that_method():
     assert len(examples) >= 16
     for verb, url in examples:
         template = re.sub(r"\$JOB", "{job_id}", url).replace("/support-bot", "/{name}")
+        template = template.replace("/datasets/rows.jsonl", "/datasets/{dataset}")
         assert template in paths, (verb, url)
         assert verb in paths[template], (verb, url, sorted(paths[template]))
