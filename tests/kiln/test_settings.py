@@ -189,4 +189,8 @@ def test_timings_at_the_limits_are_accepted(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     write_toml(tmp_path, "[training]\nlease_seconds = 15\nheartbeat_seconds = 5\nrunner_stale_seconds = 10\n")
     training = load_settings().settings.training
-    assert (training.lease_seconds, training.heartbeat_seconds, training.runner_stale_seconds) == (15, 5.0, 10)
+    assert (training.lease_seconds, training.heartbeat_seconds, training.runner_stale_seconds) == (
+        15,
+        5.0,
+        10,
+    )
