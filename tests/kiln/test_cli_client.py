@@ -41,7 +41,7 @@ from kiln.settings import Settings
 from kiln.store import claim_job, make_engine, register_adapter, register_runner, session_factory
 from tests.api.conftest import REDIS_URL, example, make_settings, runner_kwargs, tiny_model_dir  # noqa: F401
 from tests.kiln.test_store_support import migrated_database
-from tests.worker.test_e2e import KILN, Stack, free_port
+from tests.worker.stack import KILN, Stack, free_port
 
 PROFILE = "native_online_lora_v1"
 TOKEN = "cli-test-token"
