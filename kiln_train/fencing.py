@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from kiln_train.checkpoint.fs import rename_no_replace
 from kiln_train.errors import OwnershipLost
 
 if TYPE_CHECKING:
@@ -77,6 +76,9 @@ def grab(path: Path) -> Path | None:
 
 def put_back(hidden: Path, path: Path) -> bool:
     """Rename a grabbed directory back under its name (never over something else)."""
+    # Imported here: the checkpoint package publishes through this module.
+    from kiln_train.checkpoint.fs import rename_no_replace
+
     try:
         rename_no_replace(hidden, path)
     except OSError:
