@@ -19,10 +19,11 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from api import schemas
+from api.http import MAX_JSON_DEPTH
 from kiln.store import Admission
 from kiln.store.events import MAX_EVENT_PAGE
 from kiln.store.jobs import JOB_ID_MAX
-from kiln_train.sft_config import U64_MAX, SftRequest
+from kiln_train.sft_config import MAX_NS_ITERS, U64_MAX, SftRequest
 
 OPENAPI_VERSION = "3.1.0"
 REF = "#/components/schemas/{model}"
@@ -130,7 +131,7 @@ ROUTES: tuple[Route, ...] = (
 
 # ----- request-body constraints the validators enforce (kiln_train.sft_config, api.admission) -----
 
-NON_BLANK = "^[^\\u0000]*[^\\s\\u0000][^\\u0000]*$"  # not blank, no NUL (api.http.unstorable_string)
+NON_BLANK = "^[^\\u0000]*[^\\s\\u0000][^\\u0000]*$"  # not blank, no NUL (api.http.unstorable_value)
 ADAPTER_NAME = {  # output_name / base_adapter (api.admission.adapter_name_problem)
     "type": "string",
     "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$",
@@ -192,7 +193,7 @@ REQUEST_CONSTRAINTS: dict[str, dict[str, dict]] = {
     },
     "MuonConfig": {
         "momentum": UNIT_INTERVAL,
-        "ns_iters": {"type": "integer", "minimum": 1, "maximum": 20},
+        "ns_iters": {"type": "integer", "minimum": 1, "maximum": MAX_NS_ITERS},
         "weight_decay": NON_NEGATIVE,
     },
 }
@@ -292,7 +293,12 @@ def _operation(route: Route, auth: bool) -> dict:
     if params:
         op["parameters"] = params
     if route.body is not None:
-        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(route.body)}}}
+        op["requestBody"] = {
+            "required": True,
+            "description": f"JSON (Content-Type: application/json) of at most server.max_request_mb MiB "
+            f"(larger: 413), arrays and objects nested at most {MAX_JSON_DEPTH} levels deep (deeper: 400).",
+            "content": {"application/json": {"schema": _ref(route.body)}},
+        }
     if auth and route.path not in PUBLIC_PATHS:
         op["security"] = [{"bearer": []}]
     return op

@@ -23,6 +23,7 @@ from pathlib import Path
 import click
 
 from kiln.cli.config_cmd import load_or_exit
+from kiln.redact import redact_url
 from kiln.settings import ConfigError, Settings, check_bind_safety
 
 GUNICORN_THREADS = 4
@@ -80,12 +81,6 @@ def check_schema(settings: Settings) -> None:
             f"the job database is at revision {current or '<empty>'} but this release needs {head}; "
             "run `kiln db upgrade` first (or pass --upgrade-db)"
         )
-
-
-def redact_url(url: str) -> str:
-    from kiln.settings import _redact_url
-
-    return _redact_url(url)
 
 
 @contextmanager
