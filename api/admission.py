@@ -29,6 +29,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from api.errors import IDEMPOTENCY_KEY_REUSED, ApiError
+from api.json_text import canonical_sha256
 from api.queries import active_jobs_for_adapter, admission_summaries
 from api.resume_gate import ResumePoint, adopt_checkpoint_fields, check_resume_identity, load_resume_point
 from api.runner_gate import RunnerTarget, check_static_gates, check_training_template, runner_target
@@ -103,7 +104,7 @@ class _Plan:
 
 def request_fingerprint(body: object) -> str:
     """SHA-256 of the body's canonical JSON: the same request, however it was formatted."""
-    return json_sha256(body)
+    return canonical_sha256(body)
 
 
 @dataclass(frozen=True)

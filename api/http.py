@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import math
 import re
 from typing import Any
 
@@ -11,6 +9,7 @@ from flask import Response, current_app, request
 from pydantic import BaseModel
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
+from api import json_text
 from api.errors import UNSUPPORTED_MEDIA_TYPE, ApiError
 from api.services import Services
 from kiln_train.errors import invalid_request
@@ -23,26 +22,6 @@ MAX_JSON_DEPTH = 64
 def services() -> Services:
     """The app's services (settings, database, broker, caches)."""
     return current_app.extensions["kiln"]
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON value")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):  # 1e400 parses to inf: not a number JSON can carry
-        raise ValueError(f"the number {text} is out of range")
-    return value
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in obj:  # which one would win is up to the parser; refuse the ambiguity
-            raise ValueError(f"duplicate key {key!r} in one object")
-        obj[key] = value
-    return obj
 
 
 def _child(path: str, step: str | int) -> str:
@@ -113,6 +92,17 @@ def read_body() -> bytes:
     return raw
 
 
+def discard_body() -> None:
+    """Read and drop the rest of the request body (at most the size limit): a refusal given
+    before reading it then reaches the client, where gunicorn, which drains only 64 KiB itself,
+    would reset the connection under a client still sending."""
+    try:
+        while request.stream.read(1 << 16):
+            pass
+    except Exception:  # over the limit or broken framing: the connection closes after the answer
+        pass
+
+
 def json_body() -> tuple[Any, bytes]:
     """The decoded request body and its raw bytes; 400 `training_invalid_request` when it is not
     JSON (NaN/Infinity, out-of-range numbers, duplicate keys, nesting deeper than
@@ -132,12 +122,7 @@ def json_body() -> tuple[Any, bytes]:
     if not raw.strip():
         raise invalid_request("the request body is empty; send a JSON object")
     try:
-        body = json.loads(
-            raw.decode("utf-8"),
-            parse_constant=_reject_constant,
-            parse_float=_finite_float,
-            object_pairs_hook=_unique_keys,
-        )
+        body = json_text.loads(raw.decode("utf-8"))
     except RecursionError:
         raise invalid_request(
             f"the request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels; at most "

@@ -80,6 +80,7 @@ class Route:
     query: dict[str, QueryInt] = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)  # request headers -> description
     ok_is_list: bool = False
+    ok_alternatives: tuple[type[BaseModel], ...] = ()  # other 200 bodies (oneOf)
 
 
 ROUTES: tuple[Route, ...] = (
@@ -117,8 +118,20 @@ ROUTES: tuple[Route, ...] = (
     Route(
         "get", "/v1/config", "Effective settings and the runner's training support", schemas.ConfigResponse
     ),
-    Route("get", "/health", "Readiness", schemas.HealthResponse),
-    Route("get", "/v1/health", "Readiness", schemas.HealthResponse),
+    Route(
+        "get",
+        "/health",
+        "Readiness (liveness only without a token when api tokens are set)",
+        schemas.HealthResponse,
+        ok_alternatives=(schemas.HealthLiveness,),
+    ),
+    Route(
+        "get",
+        "/v1/health",
+        "Readiness (liveness only without a token when api tokens are set)",
+        schemas.HealthResponse,
+        ok_alternatives=(schemas.HealthLiveness,),
+    ),
     Route("get", "/v1/adapters", "Published adapters", schemas.AdapterList),
     Route("get", "/v1/adapters/{name}/download", "The adapter directory as tar.gz", "application/gzip"),
     Route("get", "/v1/adapters/{name}/receipt", "The adapter's train_receipt.json", "application/json"),
@@ -247,6 +260,7 @@ MODELS: tuple[tuple[type[BaseModel], str], ...] = (
     (SftRequest, "validation"),
     (schemas.ErrorEnvelope, "serialization"),
     *((r.ok, "serialization") for r in ROUTES if isinstance(r.ok, type) and issubclass(r.ok, BaseModel)),
+    *((m, "serialization") for r in ROUTES for m in r.ok_alternatives),
 )
 
 
@@ -280,6 +294,8 @@ def _operation(route: Route, auth: bool) -> dict:
         content = {route.ok: {"schema": _raw_schema(route.ok)}}
     elif route.ok is not None:
         schema = {"type": "array", "items": _ref(route.ok)} if route.ok_is_list else _ref(route.ok)
+        if route.ok_alternatives:
+            schema = {"oneOf": [schema, *(_ref(m) for m in route.ok_alternatives)]}
         content = {"application/json": {"schema": schema}}
     error = {
         "description": "Error envelope",

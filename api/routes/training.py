@@ -12,7 +12,7 @@ from werkzeug.exceptions import HTTPException
 from api.admission import admit_sft
 from api.auth import caller_scope
 from api.errors import ADMISSION_BUSY, ApiError, http_error
-from api.http import json_body, json_response, services
+from api.http import discard_body, json_body, json_response, services
 from api.services import Services
 from api.views import training_response
 from kiln_train.errors import KilnError
@@ -30,6 +30,7 @@ def admission_slot(svc: Services) -> Iterator[None]:
     part, and requests beyond the slots must not queue behind it (nor starve /health and status
     reads of the worker's threads and its interpreter)."""
     if not svc.admission_slots.acquire(blocking=False):
+        discard_body()
         raise ApiError(
             ADMISSION_BUSY,
             f"{svc.settings.server.max_concurrent_admissions} submission(s) are already being admitted "

@@ -132,7 +132,8 @@ def serve(settings: Settings) -> None:
             self.options = {
                 "bind": [bind_address(settings.server.host, settings.server.port)],
                 "workers": settings.server.workers,
-                "worker_class": "gthread",
+                # gthread, with gunicorn's own 4xx answers in the api's envelope.
+                "worker_class": "kiln.cli.gunicorn_worker.KilnThreadWorker",
                 "threads": GUNICORN_THREADS,
                 "timeout": GUNICORN_TIMEOUT_S,
                 "graceful_timeout": 30,
