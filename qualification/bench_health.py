@@ -136,6 +136,7 @@ def summary(name: str, values: list[float]) -> dict:
         "probe": name,
         "n": len(values),
         "p50_ms": round(percentile(values, 50) * 1000, 1),
+        "p95_ms": round(percentile(values, 95) * 1000, 1),
         "p99_ms": round(percentile(values, 99) * 1000, 1),
         "max_ms": round(max(values) * 1000, 1),
     }
@@ -239,7 +240,8 @@ def main() -> None:
     for r in (h, s, result["admission"]):
         if r["n"]:
             print(
-                f"  {r['probe']}: p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms, max {r['max_ms']} ms (n={r['n']})"
+                f"  {r['probe']}: p50 {r['p50_ms']} ms, p95 {r['p95_ms']} ms, p99 {r['p99_ms']} ms, "
+                f"max {r['max_ms']} ms (n={r['n']})"
             )
     print(f"  submissions: {result['submissions']}; probe answers: {result['probe_statuses']}")
     print(f"  target /health p99 < 100 ms: {'met' if h['n'] and h['p99_ms'] < 100 else 'NOT met'}")
