@@ -63,8 +63,8 @@ API_ERRORS: dict[str, tuple[int, int | None, str]] = {
     ADMISSION_BUSY: (
         503,
         2,
-        "Other submissions are being validated and tokenized (server.max_concurrent_admissions); "
-        "retry after the Retry-After delay.",
+        "Other submissions are being validated and tokenized (server.max_concurrent_admissions at "
+        "once); retry after the Retry-After delay.",
     ),
 }
 

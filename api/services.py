@@ -7,13 +7,13 @@ Built once by `create_app` and kept in `app.extensions["kiln"]`; views reach it 
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from api.admission_slots import AdmissionSlots
 from api.metrics import Metrics
 from api.tokenizer_cache import PROCESS_TOKENIZERS, TokenizerCache
 from kiln.settings import Settings
@@ -26,7 +26,7 @@ class Services:
     engine: Engine
     sessions: sessionmaker[Session]
     celery: Any  # celery.Celery, imported lazily by create_app
-    admission_slots: threading.BoundedSemaphore  # submissions validated and tokenized at once
+    admission_slots: AdmissionSlots  # submissions validated and tokenized at once, server-wide
     tokenizers: TokenizerCache = field(default_factory=lambda: PROCESS_TOKENIZERS)
     metrics: Metrics = field(default_factory=Metrics)
 
@@ -51,5 +51,5 @@ def build_services(settings: Settings, celery: Any | None = None) -> Services:
         engine=engine,
         sessions=session_factory(engine),
         celery=celery,
-        admission_slots=threading.BoundedSemaphore(settings.server.max_concurrent_admissions),
+        admission_slots=AdmissionSlots(settings.storage_root, settings.server.max_concurrent_admissions),
     )

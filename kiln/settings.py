@@ -130,8 +130,8 @@ class ServerSettings(BaseModel):
         1,
         ge=1,
         le=64,
-        description="Submissions validated and tokenized at once per worker process; "
-        "beyond it 503 admission_busy.",
+        description="Submissions the api validates and tokenizes at once (all `kiln serve` worker "
+        "processes together); beyond it 503 admission_busy.",
     )
 
     _host = field_validator("host", mode="before")(_not_blank)

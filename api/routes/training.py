@@ -24,22 +24,22 @@ REPLAY_HEADER = "Idempotent-Replayed"
 
 @contextmanager
 def admission_slot(svc: Services) -> Iterator[None]:
-    """One of the process's `server.max_concurrent_admissions` slots, or 503 `admission_busy` at once.
+    """One of the server's `server.max_concurrent_admissions` slots, or 503 `admission_busy` at once.
 
     Taken before the body is read: parsing, validating and tokenizing a large body is the costly
-    part, and requests beyond the slots must not queue behind it (nor starve /health and status
-    reads of the worker's threads and its interpreter)."""
-    if not svc.admission_slots.acquire(blocking=False):
+    part, and submissions beyond the slots must not queue behind it (nor starve /health and the
+    status reads of the server's threads and cores)."""
+    slot = svc.admission_slots.try_acquire()
+    if slot is None:
         discard_body()
         raise ApiError(
             ADMISSION_BUSY,
-            f"{svc.settings.server.max_concurrent_admissions} submission(s) are already being admitted "
-            "by this server process",
+            f"{svc.admission_slots.count} submission(s) are already being admitted by this server",
         )
     try:
         yield
     finally:
-        svc.admission_slots.release()
+        svc.admission_slots.release(slot)
 
 
 @bp.post("/v1/train/sft")

@@ -317,11 +317,13 @@ def test_an_oversized_body_answer_carries_them_too(storage, db_url, engine, brok
 def test_a_submission_beyond_the_slots_is_503_with_retry_after(storage, db_url, engine, broker, runner):
     settings = make_settings(storage, db_url, broker.queue, server={"max_concurrent_admissions": 2})
     app = create_app(settings)
-    slots = app.extensions["kiln"].admission_slots
+    # A second app on the same storage root is another worker process of the same server.
+    other = create_app(settings)
+    slots = other.extensions["kiln"].admission_slots
     try:
         client = app.test_client()
-        # Two admissions in progress (held as a request in flight holds one).
-        assert slots.acquire(blocking=False) and slots.acquire(blocking=False)
+        held = [slots.try_acquire(), slots.try_acquire()]  # two admissions in progress elsewhere
+        assert None not in held and slots.try_acquire() is None
         before = snapshot(engine, broker, storage)
         response = client.post("/v1/train/sft", json=sft_body(2))
         error = _error(response, 503, "admission_busy")
@@ -329,13 +331,15 @@ def test_a_submission_beyond_the_slots_is_503_with_retry_after(storage, db_url, 
         assert "server.max_concurrent_admissions" in error["hint"]
         assert snapshot(engine, broker, storage) == before
         assert client.get("/health").status_code == 200 and client.get("/v1/train/status").status_code == 200
-        slots.release()
+        slots.release(held.pop())
         assert client.post("/v1/train/sft", json=sft_body(2)).status_code == 200
-        slots.release()
-        # A refused or failed submission gives its slot back.
+        slots.release(held.pop())
+        # A refused submission gives its slot back as an admitted one does.
         assert client.post("/v1/train/sft", json={"examples": []}).status_code == 400
-        assert slots.acquire(blocking=False) and slots.acquire(blocking=False)
-        slots.release()
-        slots.release()
+        held = [slots.try_acquire(), slots.try_acquire()]
+        assert None not in held
+        for slot in held:
+            slots.release(slot)
     finally:
         app.extensions["kiln"].close()
+        other.extensions["kiln"].close()

@@ -79,9 +79,9 @@ def served(tmp_path_factory, runner_kwargs) -> Iterator[Served]:
         KILN_TRAINING_MAX_QUEUED_JOBS="1000",
     )
     port = _free_port()
-    # One worker process: its admission slot is the server's only one.
+    # Two worker processes share the one admission slot (server.max_concurrent_admissions = 1).
     server = subprocess.Popen(
-        [sys.executable, "-m", "kiln.cli.main", "serve", "--port", str(port), "--workers", "1"],
+        [sys.executable, "-m", "kiln.cli.main", "serve", "--port", str(port), "--workers", "2"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
