@@ -23,11 +23,13 @@ class AdmissionSlots:
         directory.mkdir(parents=True, exist_ok=True)
         self.count = count
         self.paths = [directory / f"slot-{i}.lock" for i in range(count)]
+        for path in self.paths:  # made here, so that a request never leaves a file behind
+            path.touch(exist_ok=True)
 
     def try_acquire(self) -> int | None:
         """A held slot (a descriptor to give to `release`), or None when every slot is taken."""
         for path in self.paths:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -43,8 +43,8 @@ def unstorable_value(value: Any) -> str | None:
         path, item, depth = stack.pop()
         if isinstance(item, dict | list) and depth > MAX_JSON_DEPTH:
             return (
-                f"the request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels "
-                f"(at {path or 'the body'}); at most {MAX_JSON_DEPTH} are accepted"
+                f"the request body is nested too deeply at {path}: at most {MAX_JSON_DEPTH} levels of "
+                "arrays and objects are accepted"
             )
         if isinstance(item, dict):
             for key, child in item.items():
@@ -125,8 +125,8 @@ def json_body() -> tuple[Any, bytes]:
         body = json_text.loads(raw.decode("utf-8"))
     except RecursionError:
         raise invalid_request(
-            f"the request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels; at most "
-            f"{MAX_JSON_DEPTH} are accepted"
+            f"the request body is nested too deeply: at most {MAX_JSON_DEPTH} levels of arrays and "
+            "objects are accepted"
         ) from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise invalid_request(f"the request body is not valid JSON: {exc}") from None

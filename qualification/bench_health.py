@@ -3,13 +3,13 @@
     .venv/bin/python qualification/bench_health.py [--clients 8] [--body-mb 8] [--seconds 30]
                                                    [--backend sqlite|postgres]
 
-`kiln serve` (gunicorn, its default workers and threads) runs on loopback with
+`kiln serve` (gunicorn, 2 workers x 4 threads: the defaults) runs on loopback with
 `server.max_request_mb = --body-mb` and a live runner registered from a tiny Qwen3.5 model (the
 real Qwen3.5 tokenizer), its heartbeat kept fresh. `--clients` threads each POST a body of exactly
 `--body-mb` MiB (inline conversations, the last bytes JSON whitespace) to `/v1/train/sft` again and
 again for `--seconds`; a 503 is retried after its Retry-After. Meanwhile one prober GETs `/health`
 and one GETs `/v1/train/status` back to back, each on its own keep-alive connection. Prints the
-probes' p50/p99/max latency and the submissions' outcomes. Target: `/health` p99 < 100 ms.
+probes' p50/p95/p99/max latency and the submissions' outcomes. Target: `/health` p99 < 100 ms.
 
 Needs Redis at 127.0.0.1:6379 (db 12, a queue of its own that is deleted afterwards); the postgres
 backend needs KILN_TEST_POSTGRES_URL (default postgresql://postgres@127.0.0.1:5432/test).

@@ -51,8 +51,8 @@ def test_nesting_at_the_limit_is_admitted_and_one_deeper_is_400(client, engine, 
     error = _error(
         client.post("/v1/train/sft", json=_body_nested(MAX_DEPTH + 1)), 400, "training_invalid_request"
     )
-    assert f"deeper than {MAX_DEPTH} levels" in error["message"]
-    assert "examples[0].messages[1].tool_calls[0].function.arguments" in error["message"]
+    assert "nested too deeply at examples[0].messages[1].tool_calls[0].function.arguments" in error["message"]
+    assert f"at most {MAX_DEPTH} levels of arrays and objects" in error["message"]
     assert snapshot(engine, broker, storage) == before
 
 
@@ -65,7 +65,7 @@ def test_nesting_the_parser_or_the_fingerprint_cannot_follow_is_400(
     before = snapshot(engine, broker, storage)
     response = client.post("/v1/train/sft", data=text, content_type="application/json")
     error = _error(response, 400, "training_invalid_request")
-    assert f"at most {MAX_DEPTH} are accepted" in error["message"]
+    assert "nested too deeply" in error["message"] and f"at most {MAX_DEPTH} levels" in error["message"]
     assert snapshot(engine, broker, storage) == before
 
 
