@@ -10,10 +10,16 @@ order; (11) publish with task_id = job_id, then mark published.
 
 Steps 1-9 write nothing, so a rejected request leaves no row, no message and no file. No
 database transaction is held across ingestion or memory planning.
+
+Idempotency-Keys are scoped per bearer token: the job row stores the key as given on a server
+without tokens, and otherwise an HMAC of it under the caller's token scope, so one caller's key
+can neither replay nor block another caller's job.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import re
 from dataclasses import dataclass
@@ -23,6 +29,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from api.errors import IDEMPOTENCY_KEY_REUSED, ApiError
+from api.json_text import canonical_sha256
 from api.queries import active_jobs_for_adapter, admission_summaries
 from api.resume_gate import ResumePoint, adopt_checkpoint_fields, check_resume_identity, load_resume_point
 from api.runner_gate import RunnerTarget, check_static_gates, check_training_template, runner_target
@@ -97,17 +104,30 @@ class _Plan:
 
 def request_fingerprint(body: object) -> str:
     """SHA-256 of the body's canonical JSON: the same request, however it was formatted."""
-    return json_sha256(body)
+    return canonical_sha256(body)
 
 
-def check_idempotency_key(key: str | None) -> str | None:
+@dataclass(frozen=True)
+class IdempotencyKey:
+    given: str  # the header, as the caller sent it (named in messages)
+    stored: str  # the job row's value: the key itself, or scoped to the caller's token
+
+
+def scoped_key(key: str, scope: str) -> str:
+    """The stored form of `key` for a caller scope ("" on a token-less server: the key itself)."""
+    if not scope:
+        return key
+    return "bearer:" + hmac.new(scope.encode("ascii"), key.encode("ascii"), hashlib.sha256).hexdigest()
+
+
+def check_idempotency_key(key: str | None, scope: str = "") -> IdempotencyKey | None:
     if key is None:
         return None
     if not key or len(key) > IDEMPOTENCY_KEY_MAX or not key.isascii() or not key.isprintable():
         raise invalid_request(
             f"the Idempotency-Key header must be 1..={IDEMPOTENCY_KEY_MAX} printable ASCII characters"
         )
-    return key
+    return IdempotencyKey(key, scoped_key(key, scope))
 
 
 def adapter_name_problem(name: str) -> str | None:
@@ -180,10 +200,12 @@ def parse_submission(body: object) -> SftRequest:
     return request
 
 
-def admit_sft(svc: Services, body: object, idempotency_key: str | None) -> Admitted:
-    """Admit one SFT request or raise the contract error that rejects it (nothing written)."""
+def admit_sft(svc: Services, body: object, idempotency_key: str | None, scope: str = "") -> Admitted:
+    """Admit one SFT request or raise the contract error that rejects it (nothing written).
+
+    `scope` is the caller's (api.auth.caller_scope): Idempotency-Keys of other scopes never meet."""
     request = parse_submission(body)  # (1)
-    key = check_idempotency_key(idempotency_key)
+    key = check_idempotency_key(idempotency_key, scope)
     fingerprint = request_fingerprint(body)
     try:
         return _admit(svc, request, key, fingerprint)
@@ -199,7 +221,7 @@ def admit_sft(svc: Services, body: object, idempotency_key: str | None) -> Admit
         return replay
 
 
-def _admit(svc: Services, request: SftRequest, key: str | None, fingerprint: str) -> Admitted:
+def _admit(svc: Services, request: SftRequest, key: IdempotencyKey | None, fingerprint: str) -> Admitted:
     if key is not None:  # (2)
         with svc.sessions() as session:
             replay = _replay(session, key, fingerprint)
@@ -283,17 +305,19 @@ def publish(svc: Services, job_id: str) -> bool:
 # ----- reads and checks ---------------------------------------------------------------------
 
 
-def _replay(session: Session, key: str, fingerprint: str) -> Admitted | None:
-    job = find_by_idempotency_key(session, key)
+def _replay(session: Session, key: IdempotencyKey, fingerprint: str) -> Admitted | None:
+    job = find_by_idempotency_key(session, key.stored)
     if job is None:
         return None
     if job.request_fingerprint != fingerprint:
         raise ApiError(
             IDEMPOTENCY_KEY_REUSED,
-            f"Idempotency-Key {key!r} already names job {job.id} with a different request body",
+            f"Idempotency-Key {key.given!r} already names job {job.id} with a different request body",
         )
     summary = admission_summaries(session, [job.id])[job.id]
-    message = f"Idempotency-Key {key!r} replay: job {job.id} was admitted by an earlier identical request"
+    message = (
+        f"Idempotency-Key {key.given!r} replay: job {job.id} was admitted by an earlier identical request"
+    )
     return Admitted(
         job=job, summary=summary, message=message, replayed=True, published=job.published_at is not None
     )
@@ -477,7 +501,7 @@ def _plan_memory(
 # ----- the rows (step 10) -------------------------------------------------------------------
 
 
-def _job_fields(plan: _Plan, key: str | None, fingerprint: str) -> dict:
+def _job_fields(plan: _Plan, key: IdempotencyKey | None, fingerprint: str) -> dict:
     config, rows = plan.config, len(plan.ingestion.rows)
     return {
         "id": plan.job_id,
@@ -493,7 +517,7 @@ def _job_fields(plan: _Plan, key: str | None, fingerprint: str) -> dict:
         "loss_route": plan.target.loss_route,
         "backend": plan.target.backend.name,
         "device": plan.target.backend.device,
-        "idempotency_key": key,
+        "idempotency_key": key.stored if key is not None else None,
         "request_fingerprint": fingerprint,
         "resume_checkpoint": plan.resume.path.name if plan.resume else None,
     }

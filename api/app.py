@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from flask import Flask
 
-from api.auth import install_auth
+from api.auth import install_auth, install_host_check
 from api.errors import register_error_handlers
+from api.response_headers import install_response_headers
 from api.routes import BLUEPRINTS
 from api.services import build_services
 from kiln.settings import Settings
@@ -35,6 +36,8 @@ def create_app(settings: Settings | None = None, *, celery=None) -> Flask:
     app.url_map.merge_slashes = False
     app.extensions["kiln"] = build_services(settings, celery)
     register_error_handlers(app)
+    install_response_headers(app)
+    install_host_check(app, settings.server.allowed_host_names())  # before auth: refused first
     install_auth(app, settings.server.api_tokens)
     for blueprint in BLUEPRINTS:
         app.register_blueprint(blueprint)

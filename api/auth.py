@@ -1,19 +1,28 @@
-"""Bearer-token auth (DESIGN.md §1; kiln-contract §1 has none: loopback was the boundary).
+"""Who may ask: bearer tokens, and the Host names a token-less server answers.
 
 With `server.api_tokens` set, every route but the probes (`/health`, `/v1/health`, `/metrics`)
-and the browser UI's static files (`/`, `/ui/...`: no data in them) needs `Authorization: Bearer <token>`; tokens are compared in constant time. Without tokens the
-api is open, and `kiln serve` refuses a non-loopback bind unless explicitly allowed.
+and the browser UI's static files (`/`, `/ui/...`: no data in them) needs
+`Authorization: Bearer <token>`; tokens are compared in constant time. A probe answered
+without a valid token shows liveness only (`caller_authenticated()`). Without tokens the api is
+open, `kiln serve` refuses a non-loopback bind unless explicitly allowed, and only the Host names
+of `server.allowed_hosts` are answered: a web page whose own name resolves to 127.0.0.1 (DNS
+rebinding) sends its own name as Host and is refused.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 
-from flask import Flask, request
+from flask import Flask, g, request
 
-from api.errors import UNAUTHORIZED, ApiError
+from api.errors import HOST_NOT_ALLOWED, UNAUTHORIZED, ApiError
 from api.openapi import PUBLIC_PATHS
 from api.ui import is_ui_path
+from kiln.settings import host_name
+
+# The caller's scope on `flask.g`: "" on a token-less server, a digest of the bearer token otherwise.
+_SCOPE = "kiln_caller_scope"
 
 
 def token_matches(presented: str, tokens: list[str]) -> bool:
@@ -25,17 +34,48 @@ def token_matches(presented: str, tokens: list[str]) -> bool:
     return matched
 
 
-def install_auth(app: Flask, tokens: list[str]) -> None:
-    if not tokens:
+def token_scope(token: str) -> str:
+    """A stable name for one bearer token that does not reveal it."""
+    return hashlib.sha256(b"kiln-caller\0" + token.encode("utf-8")).hexdigest()
+
+
+def caller_authenticated() -> bool:
+    """Whether this request may see everything: a valid token, or a server without tokens."""
+    return _SCOPE in g
+
+
+def caller_scope() -> str:
+    """What the caller's Idempotency-Keys are scoped to ("" on a token-less server)."""
+    return g.get(_SCOPE, "")
+
+
+def install_host_check(app: Flask, allowed: frozenset[str] | None) -> None:
+    """Refuse (403) a Host outside `allowed`; None answers any Host."""
+    if allowed is None:
         return
 
     @app.before_request
-    def _require_bearer() -> None:
-        if request.path in PUBLIC_PATHS or is_ui_path(request.path):
+    def _check_host() -> None:
+        name = host_name(request.host)
+        if name not in allowed:
+            raise ApiError(
+                HOST_NOT_ALLOWED,
+                f"this server does not answer the Host {name[:100]!r} (server.allowed_hosts)",
+            )
+
+
+def install_auth(app: Flask, tokens: list[str]) -> None:
+    @app.before_request
+    def _authenticate() -> None:
+        if not tokens:
+            setattr(g, _SCOPE, "")
             return
         header = request.headers.get("Authorization", "")
         scheme, _, presented = header.partition(" ")
-        if scheme.lower() != "bearer" or not presented.strip():
-            raise ApiError(UNAUTHORIZED, "missing bearer token")
-        if not token_matches(presented.strip(), tokens):
-            raise ApiError(UNAUTHORIZED, "invalid bearer token")
+        presented = presented.strip() if scheme.lower() == "bearer" else ""
+        if presented and token_matches(presented, tokens):
+            setattr(g, _SCOPE, token_scope(presented))
+            return
+        if request.path in PUBLIC_PATHS or is_ui_path(request.path):
+            return
+        raise ApiError(UNAUTHORIZED, "invalid bearer token" if presented else "missing bearer token")

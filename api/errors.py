@@ -30,6 +30,8 @@ IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"
 DATABASE_UNAVAILABLE = "database_unavailable"
 TRAINING_JOB_ACTIVE = "training_job_active"
 UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
+HOST_NOT_ALLOWED = "host_not_allowed"
+ADMISSION_BUSY = "admission_busy"
 
 MEMORY_BREAKDOWN_HEADER = "Kiln-Memory-Breakdown"
 
@@ -54,6 +56,18 @@ API_ERRORS: dict[str, tuple[int, int | None, str]] = {
         409,
         None,
         "Only finished jobs can be deleted; cancel it with DELETE /v1/train/queue/{job_id} first.",
+    ),
+    HOST_NOT_ALLOWED: (
+        403,
+        None,
+        "A server without api tokens answers only the Host names in server.allowed_hosts "
+        "(KILN_SERVER_ALLOWED_HOSTS); use one of them, add yours, or set server.api_tokens.",
+    ),
+    ADMISSION_BUSY: (
+        503,
+        2,
+        "Other submissions are being validated and tokenized (server.max_concurrent_admissions at "
+        "once); retry after the Retry-After delay.",
     ),
 }
 

@@ -2,42 +2,26 @@
 
 from __future__ import annotations
 
-import json
-import math
 import re
 from typing import Any
 
 from flask import Response, current_app, request
 from pydantic import BaseModel
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
+from api import json_text
 from api.errors import UNSUPPORTED_MEDIA_TYPE, ApiError
 from api.services import Services
 from kiln_train.errors import invalid_request
+
+# Deepest nesting of arrays and objects in a request body (the body itself is level 1); a chat
+# row with tool calls and their JSON arguments needs well under half of it.
+MAX_JSON_DEPTH = 64
 
 
 def services() -> Services:
     """The app's services (settings, database, broker, caches)."""
     return current_app.extensions["kiln"]
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON value")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):  # 1e400 parses to inf: not a number JSON can carry
-        raise ValueError(f"the number {text} is out of range")
-    return value
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in obj:  # which one would win is up to the parser; refuse the ambiguity
-            raise ValueError(f"duplicate key {key!r} in one object")
-        obj[key] = value
-    return obj
 
 
 def _child(path: str, step: str | int) -> str:
@@ -46,24 +30,31 @@ def _child(path: str, step: str | int) -> str:
     return f"{path}.{step}" if path else step
 
 
-def unstorable_string(value: Any) -> str | None:
-    """Why `value` (decoded JSON) cannot be stored as given, naming the path, or None.
+def unstorable_value(value: Any) -> str | None:
+    """Why `value` (decoded JSON) cannot be stored and processed as given, naming the path, or None.
 
-    Strings must be valid Unicode (no lone surrogates from `\\ud800` escapes) without U+0000:
-    the job store keeps request fields verbatim and Postgres text/JSONB cannot hold NUL.
+    Arrays and objects nest at most `MAX_JSON_DEPTH` deep: validation, the request fingerprint
+    and the job store all recurse through the body. Strings must be valid Unicode (no lone
+    surrogates from `\\ud800` escapes) without U+0000: the job store keeps request fields
+    verbatim and Postgres text/JSONB cannot hold NUL.
     """
-    stack: list[tuple[str, Any]] = [("", value)]
+    stack: list[tuple[str, Any, int]] = [("", value, 1)]
     while stack:
-        path, item = stack.pop()
+        path, item, depth = stack.pop()
+        if isinstance(item, dict | list) and depth > MAX_JSON_DEPTH:
+            return (
+                f"the request body is nested too deeply at {path}: at most {MAX_JSON_DEPTH} levels of "
+                "arrays and objects are accepted"
+            )
         if isinstance(item, dict):
             for key, child in item.items():
                 where = _child(path, key)
                 problem = _string_problem(key)
                 if problem is not None:
                     return f"a key of {path or 'the body'} {problem}"
-                stack.append((where, child))
+                stack.append((where, child, depth + 1))
         elif isinstance(item, list):
-            stack.extend((_child(path, i), child) for i, child in enumerate(item))
+            stack.extend((_child(path, i), child, depth + 1) for i, child in enumerate(item))
         elif isinstance(item, str):
             problem = _string_problem(item)
             if problem is not None:
@@ -81,11 +72,42 @@ def _string_problem(text: str) -> str | None:
     return None
 
 
+def read_body() -> bytes:
+    """The raw request body; 413 (werkzeug's) when it is over `MAX_CONTENT_LENGTH`.
+
+    A body without Content-Length (`Transfer-Encoding: chunked`) is read through werkzeug's
+    limit, which stops at the limit without a word: one more byte from the server's stream
+    tells a body of exactly the limit from a longer one, which is refused, never parsed cut.
+    """
+    try:
+        raw = request.get_data(cache=True)
+        limit = current_app.config["MAX_CONTENT_LENGTH"]
+        cut = request.content_length is None and limit is not None and len(raw) >= limit
+        if cut and request.environ["wsgi.input"].read(1):
+            raise RequestEntityTooLarge()
+    except HTTPException:
+        raise
+    except Exception as exc:  # the server's body reader: malformed chunked framing, a client gone
+        raise invalid_request(f"the request body could not be read: {exc}") from None
+    return raw
+
+
+def discard_body() -> None:
+    """Read and drop the rest of the request body (at most the size limit): a refusal given
+    before reading it then reaches the client, where gunicorn, which drains only 64 KiB itself,
+    would reset the connection under a client still sending."""
+    try:
+        while request.stream.read(1 << 16):
+            pass
+    except Exception:  # over the limit or broken framing: the connection closes after the answer
+        pass
+
+
 def json_body() -> tuple[Any, bytes]:
     """The decoded request body and its raw bytes; 400 `training_invalid_request` when it is not
-    JSON (NaN/Infinity, out-of-range numbers, duplicate keys, nesting too deep for the parser)
-    or holds a string the job store cannot keep (NUL, lone surrogates), naming where. Reading
-    an oversized body raises werkzeug's 413 first."""
+    JSON (NaN/Infinity, out-of-range numbers, duplicate keys, nesting deeper than
+    `MAX_JSON_DEPTH`) or holds a string the job store cannot keep (NUL, lone surrogates), naming
+    where. An oversized body is 413 before any of it is parsed."""
     mimetype = request.mimetype
     if mimetype != "application/json" and not (
         mimetype.startswith("application/") and mimetype.endswith("+json")
@@ -96,21 +118,19 @@ def json_body() -> tuple[Any, bytes]:
             UNSUPPORTED_MEDIA_TYPE,
             f"the request body must be JSON (Content-Type: application/json), not {mimetype or 'unlabelled'}",
         )
-    raw = request.get_data(cache=True)
+    raw = read_body()
     if not raw.strip():
         raise invalid_request("the request body is empty; send a JSON object")
     try:
-        body = json.loads(
-            raw.decode("utf-8"),
-            parse_constant=_reject_constant,
-            parse_float=_finite_float,
-            object_pairs_hook=_unique_keys,
-        )
+        body = json_text.loads(raw.decode("utf-8"))
     except RecursionError:
-        raise invalid_request("the request body is not valid JSON: it is nested too deeply") from None
+        raise invalid_request(
+            f"the request body is nested too deeply: at most {MAX_JSON_DEPTH} levels of arrays and "
+            "objects are accepted"
+        ) from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise invalid_request(f"the request body is not valid JSON: {exc}") from None
-    problem = unstorable_string(body)
+    problem = unstorable_value(body)
     if problem is not None:
         raise invalid_request(problem)
     return body, raw

@@ -29,12 +29,13 @@ from api.datasets import (
     DeletedDataset,
     InspectResponse,
 )
+from api.http import MAX_JSON_DEPTH
 from api.preflight import PreflightResponse
 from api.ui import is_ui_path
 from kiln.store import Admission
 from kiln.store.events import MAX_EVENT_PAGE
 from kiln.store.jobs import JOB_ID_MAX
-from kiln_train.sft_config import U64_MAX, SftRequest
+from kiln_train.sft_config import MAX_NS_ITERS, U64_MAX, SftRequest
 
 OPENAPI_VERSION = "3.1.0"
 REF = "#/components/schemas/{model}"
@@ -116,6 +117,7 @@ class Route:
     ok_is_list: bool = False
     raw_body: str | None = None  # media type of a body that is not JSON (JSON Lines uploads)
     ok_status: str = "200"
+    ok_alternatives: tuple[type[BaseModel], ...] = ()  # other 200 bodies (oneOf)
 
 
 ROUTES: tuple[Route, ...] = (
@@ -153,8 +155,20 @@ ROUTES: tuple[Route, ...] = (
     Route(
         "get", "/v1/config", "Effective settings and the runner's training support", schemas.ConfigResponse
     ),
-    Route("get", "/health", "Readiness", schemas.HealthResponse),
-    Route("get", "/v1/health", "Readiness", schemas.HealthResponse),
+    Route(
+        "get",
+        "/health",
+        "Readiness (liveness only without a token when api tokens are set)",
+        schemas.HealthResponse,
+        ok_alternatives=(schemas.HealthLiveness,),
+    ),
+    Route(
+        "get",
+        "/v1/health",
+        "Readiness (liveness only without a token when api tokens are set)",
+        schemas.HealthResponse,
+        ok_alternatives=(schemas.HealthLiveness,),
+    ),
     Route("get", "/v1/adapters", "Published adapters", schemas.AdapterList),
     Route("get", "/v1/adapters/{name}/download", "The adapter directory as tar.gz", "application/gzip"),
     Route("get", "/v1/adapters/{name}/receipt", "The adapter's train_receipt.json", "application/json"),
@@ -225,7 +239,7 @@ ROUTES: tuple[Route, ...] = (
 
 # ----- request-body constraints the validators enforce (kiln_train.sft_config, api.admission) -----
 
-NON_BLANK = "^[^\\u0000]*[^\\s\\u0000][^\\u0000]*$"  # not blank, no NUL (api.http.unstorable_string)
+NON_BLANK = "^[^\\u0000]*[^\\s\\u0000][^\\u0000]*$"  # not blank, no NUL (api.http.unstorable_value)
 ADAPTER_NAME = {  # output_name / base_adapter (api.admission.adapter_name_problem)
     "type": "string",
     "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$",
@@ -287,7 +301,7 @@ REQUEST_CONSTRAINTS: dict[str, dict[str, dict]] = {
     },
     "MuonConfig": {
         "momentum": UNIT_INTERVAL,
-        "ns_iters": {"type": "integer", "minimum": 1, "maximum": 20},
+        "ns_iters": {"type": "integer", "minimum": 1, "maximum": MAX_NS_ITERS},
         "weight_decay": NON_NEGATIVE,
     },
 }
@@ -341,6 +355,7 @@ MODELS: tuple[tuple[type[BaseModel], str], ...] = (
     (SftRequest, "validation"),
     (schemas.ErrorEnvelope, "serialization"),
     *((r.ok, "serialization") for r in ROUTES if isinstance(r.ok, type) and issubclass(r.ok, BaseModel)),
+    *((m, "serialization") for r in ROUTES for m in r.ok_alternatives),
 )
 
 
@@ -380,6 +395,8 @@ def _operation(route: Route, auth: bool) -> dict:
         content = {route.ok: {"schema": _raw_schema(route.ok)}}
     elif route.ok is not None:
         schema = {"type": "array", "items": _ref(route.ok)} if route.ok_is_list else _ref(route.ok)
+        if route.ok_alternatives:
+            schema = {"oneOf": [schema, *(_ref(m) for m in route.ok_alternatives)]}
         content = {"application/json": {"schema": schema}}
     error = {
         "description": "Error envelope",
@@ -393,9 +410,18 @@ def _operation(route: Route, auth: bool) -> dict:
     if params:
         op["parameters"] = params
     if route.body is not None:
-        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(route.body)}}}
+        op["requestBody"] = {
+            "required": True,
+            "description": f"JSON (Content-Type: application/json) of at most server.max_request_mb MiB "
+            f"(larger: 413), arrays and objects nested at most {MAX_JSON_DEPTH} levels deep (deeper: 400).",
+            "content": {"application/json": {"schema": _ref(route.body)}},
+        }
     if route.raw_body is not None:
-        op["requestBody"] = {"required": True, "content": {route.raw_body: {"schema": {"type": "string"}}}}
+        op["requestBody"] = {
+            "required": True,
+            "description": "at most server.max_request_mb MiB (larger: 413)",
+            "content": {route.raw_body: {"schema": {"type": "string"}}},
+        }
     if auth and route.path not in PUBLIC_PATHS and not is_ui_path(route.path):
         op["security"] = [{"bearer": []}]
     return op

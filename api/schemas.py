@@ -240,6 +240,22 @@ class HealthResponse(_Out):
     training: HealthTraining
 
 
+class RunnerLiveness(_Out):
+    state: str
+    heartbeat_age_s: float
+
+
+class HealthLiveness(_Out):
+    """`/health` without a valid token on a server with api tokens: liveness only (no runner id or
+    host, model path, memory, current job or identities)."""
+
+    status: Literal["ok"]
+    database: DatabaseHealth
+    runner: RunnerLiveness | None
+    queue_depth: int
+    native_training_supported: bool
+
+
 class TrainingConfigOut(BaseModel):
     model_config = ConfigDict(extra="allow")
     optimizer_support: dict[str, Any] | None

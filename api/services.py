@@ -1,4 +1,5 @@
-"""What one api process holds: settings, the job store, the broker, the tokenizer cache, metrics.
+"""What one api process holds: settings, the job store, the broker, the admission slots, the
+tokenizer cache, metrics.
 
 Built once by `create_app` and kept in `app.extensions["kiln"]`; views reach it through
 `api.http.services()`. Nothing here reads the environment: the settings object is passed in.
@@ -12,6 +13,7 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from api.admission_slots import AdmissionSlots
 from api.metrics import Metrics
 from api.tokenizer_cache import PROCESS_TOKENIZERS, TokenizerCache
 from kiln.settings import Settings
@@ -24,6 +26,7 @@ class Services:
     engine: Engine
     sessions: sessionmaker[Session]
     celery: Any  # celery.Celery, imported lazily by create_app
+    admission_slots: AdmissionSlots  # submissions validated and tokenized at once, server-wide
     tokenizers: TokenizerCache = field(default_factory=lambda: PROCESS_TOKENIZERS)
     metrics: Metrics = field(default_factory=Metrics)
 
@@ -43,4 +46,10 @@ def build_services(settings: Settings, celery: Any | None = None) -> Services:
         from worker.celery_app import make_celery
 
         celery = make_celery(settings)
-    return Services(settings=settings, engine=engine, sessions=session_factory(engine), celery=celery)
+    return Services(
+        settings=settings,
+        engine=engine,
+        sessions=session_factory(engine),
+        celery=celery,
+        admission_slots=AdmissionSlots(settings.storage_root, settings.server.max_concurrent_admissions),
+    )

@@ -6,7 +6,10 @@ original's human string ("12s ago").
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import stat
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -191,13 +194,40 @@ def checkpoint_summary(path: Path) -> tuple[schemas.TrainingCheckpointSummary | 
     )
 
 
-def read_json_file(path: Path) -> tuple[dict | None, str | None]:
-    """A JSON object from disk, or the reason it could not be read (absent is not an error)."""
-    if not path.exists():
-        return None, None
+def read_registry_file(path: Path) -> bytes | None:
+    """The bytes of a regular file in the registry, or None when there is none; OSError when it
+    is a symlink or not a regular file. Like the tar download, a registry read never follows a
+    link out of the registry; O_NONBLOCK keeps a FIFO from blocking the request."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(exc.errno, "a symlink; registry files are read only as regular files") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
+def read_json_file(path: Path) -> tuple[dict | None, str | None]:
+    """A JSON object from a registry file, or the reason it could not be read (absent is not an
+    error)."""
+    try:
+        data = read_registry_file(path)
+        if data is None:
+            return None, None
+        value = json.loads(data.decode("utf-8"))
+    except OSError as exc:
+        return None, f"{path.name}: {exc.strerror or exc}"
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         return None, f"{path.name}: {exc}"
     if not isinstance(value, dict):
         return None, f"{path.name}: not a JSON object"

@@ -9,14 +9,18 @@ no setting on purpose.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import json
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kiln.redact import redact_url
 
 ENV_PREFIX = "KILN_"
 CONFIG_ENV = "KILN_CONFIG"
@@ -56,6 +60,44 @@ HEARTBEATS_PER_LEASE = 3
 _SECTION = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
+_HOST_NAME = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*\.?")
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def host_name(host: str) -> str:
+    """The host of a Host header or an address without its port and IPv6 brackets, lower case."""
+    host = host.lower()
+    if host.startswith("["):
+        inside, bracket, rest = host[1:].partition("]")
+        return inside if bracket and (not rest or rest[1:].isdigit() and rest[0] == ":") else host
+    name, colon, port = host.rpartition(":")
+    if colon and port.isdigit() and ":" not in name:  # an unbracketed IPv6 address keeps its colons
+        return name
+    return host
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether a bind address is loopback: `localhost` or a loopback IP address, parsed
+    (`127.attacker.example` is a name, not 127.0.0.0/8)."""
+    name = host_name(host)
+    if name == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
+
+
 def _not_blank(v: Any) -> Any:
     """A text setting (host, queue, URL, path) given as blank or with a NUL is a mistake, not a value.
 
@@ -81,8 +123,37 @@ class ServerSettings(BaseModel):
     )
     max_request_mb: float = Field(64.0, gt=0, description="Largest accepted request body, in MiB.")
     workers: int = Field(2, ge=1, le=64, description="gunicorn worker processes for `kiln serve`.")
+    allowed_hosts: list[str] | None = Field(
+        None,
+        description="Host header names a token-less api answers (DNS-rebinding guard; any port); "
+        'null: localhost, 127.0.0.1, ::1 and server.host on a loopback bind, any elsewhere; "*": any.',
+    )
+    max_concurrent_admissions: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Submissions the api validates and tokenizes at once (all `kiln serve` worker "
+        "processes together); beyond it 503 admission_busy.",
+    )
 
     _host = field_validator("host", mode="before")(_not_blank)
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _allowed_hosts(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        if not v:
+            raise ValueError(
+                'must name at least one host (["*"] accepts any Host; leave it out for the default)'
+            )
+        names = []
+        for entry in v:
+            name = host_name(entry.strip())
+            if name != "*" and not _HOST_NAME.fullmatch(name) and not _is_ip(name):
+                raise ValueError(f"{entry!r} is not a host name or IP address (no scheme, no port)")
+            names.append(name)
+        return names
 
     @field_validator("api_tokens")
     @classmethod
@@ -103,6 +174,18 @@ class ServerSettings(BaseModel):
                     "(an env file passed to docker keeps quotes literally)"
                 )
         return v
+
+    def allowed_host_names(self) -> frozenset[str] | None:
+        """The Host names the api answers, or None for any: with api tokens a page elsewhere
+        cannot authenticate, and an unauthenticated remote bind without a list was chosen open."""
+        if self.api_tokens:
+            return None
+        names = self.allowed_hosts
+        if names is None:
+            if not is_loopback_host(self.host):
+                return None
+            names = [*LOOPBACK_NAMES, host_name(self.host)]
+        return None if "*" in names else frozenset(names)
 
 
 class DatabaseSettings(BaseModel):
@@ -296,6 +379,9 @@ class Settings(BaseModel):
             d.mkdir(parents=True, exist_ok=True)
 
 
+# Settings holding a connection URL: shown only through `redact_url`.
+URL_SETTINGS = (("database", "url"), ("queue", "broker_url"))
+
 SECTIONS: dict[str, type[BaseModel]] = {
     name: f.annotation  # type: ignore[misc]
     for name, f in Settings.model_fields.items()
@@ -324,24 +410,17 @@ class LoadedSettings:
                     value = str(value)
                 if section == "server" and name == "api_tokens":
                     value = [f"<redacted {len(t)} chars>" for t in value]
+                if (section, name) in URL_SETTINGS and value is not None:
+                    value = redact_url(value)
                 rows.append((key, value, self.sources.get(key, "default")))
         derived = [
             ("derived.storage_root", str(self.settings.storage_root)),
-            ("derived.database_url", _redact_url(self.settings.database_url)),
-            ("derived.broker_url", _redact_url(self.settings.broker_url)),
+            ("derived.database_url", redact_url(self.settings.database_url)),
+            ("derived.broker_url", redact_url(self.settings.broker_url)),
             ("derived.model_path", str(self.settings.model_path)),
         ]
         rows.extend((k, v, "derived") for k, v in derived)
         return rows
-
-
-def _redact_url(url: str) -> str:
-    if "://" in url and "@" in url:
-        scheme, rest = url.split("://", 1)
-        creds, host = rest.rsplit("@", 1)
-        if ":" in creds:
-            return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}"
-    return url
 
 
 def _field_kind(section: str, name: str) -> str:
@@ -366,6 +445,8 @@ def _parse_env_value(section: str, name: str, raw: str) -> Any:
     env = _env_name(section, name)
     if kind == "list":
         raw = raw.strip()
+        if _nullable(section, name) and raw.lower() in ("", "null", "none"):
+            return None
         if raw.startswith(("[", "{")):
             try:
                 value = json.loads(raw)
@@ -561,8 +642,11 @@ def _check_config_file(what: str, path: Path) -> None:
 def check_bind_safety(settings: Settings) -> None:
     """Refuse to serve a non-loopback address without tokens unless explicitly allowed."""
     host = settings.server.host
-    loopback = host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
-    if not loopback and not settings.server.api_tokens and not settings.server.allow_unauthenticated_remote:
+    if (
+        not is_loopback_host(host)
+        and not settings.server.api_tokens
+        and not settings.server.allow_unauthenticated_remote
+    ):
         raise ConfigError(
             f"server.host={host} is not a loopback address and server.api_tokens is empty; set "
             "KILN_SERVER_API_TOKENS or server.allow_unauthenticated_remote=true"

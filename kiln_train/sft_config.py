@@ -18,12 +18,19 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kiln_train.errors import invalid_request
+from kiln_train.model_config import MAX_DIMENSION, MAX_LAYERS
 
 log = logging.getLogger(__name__)
 
 TRAINING_PROFILE = "native_online_lora_v1"
 MAX_LORA_ALPHA_OVER_RANK = 2.0
 U64_MAX = 2**64 - 1
+# A LoRA rank is at most the smallest dimension it factors, and no Qwen3.5 dimension exceeds
+# MAX_DIMENSION; segments partition the layers. Every integer field has an upper bound, so no
+# value reaches arithmetic (alpha / rank as a float) or a 32-bit job-store column out of range.
+MAX_LORA_RANK = MAX_DIMENSION
+MAX_GRAD_CHECKPOINT_SEGMENTS = MAX_LAYERS
+MAX_NS_ITERS = 20
 LR_WARNING_BAND = 50.0
 # Resolved learning rate for SFT when the request omits it (kiln-contract §2.1).
 SFT_DEFAULT_LEARNING_RATE = {"muon": 1e-3, "adam_w": 1e-4, "sgd": 1e-4}
@@ -112,8 +119,8 @@ class MuonConfig(BaseModel):
     @field_validator("ns_iters")
     @classmethod
     def _ns(cls, v: int) -> int:
-        if not 1 <= v <= 20:
-            raise ValueError("ns_iters must be in 1..=20")
+        if not 1 <= v <= MAX_NS_ITERS:
+            raise ValueError(f"ns_iters must be in 1..={MAX_NS_ITERS}")
         return v
 
     @field_validator("weight_decay")
@@ -151,7 +158,7 @@ class SftConfig(BaseModel):
     invalid_row_policy: Literal["fail", "skip"] = "fail"
     epochs: int = Field(default=3, ge=1, le=100_000)
     learning_rate: float | None = None
-    lora_rank: int = Field(default=16, ge=1)
+    lora_rank: int = Field(default=16, ge=1, le=MAX_LORA_RANK)
     lora_alpha: float = 32.0
     train_mtp: bool | None = None
     base_adapter: str | None = None
@@ -161,7 +168,7 @@ class SftConfig(BaseModel):
     auto_load: bool = True
     checkpoint_interval: int | None = Field(default=None, ge=1, le=U64_MAX)
     resume_checkpoint: str | None = None
-    grad_checkpoint_segments: int | None = Field(default=None, ge=1)
+    grad_checkpoint_segments: int | None = Field(default=None, ge=1, le=MAX_GRAD_CHECKPOINT_SEGMENTS)
     detect_anomaly: bool = False
     seed: Annotated[int | None, Field(default=None)] = None
     optimizer: OptimizerConfig = Field(default_factory=lambda: MuonConfig(kind="muon"))

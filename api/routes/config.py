@@ -8,21 +8,12 @@ from flask import Blueprint, Response
 from api import schemas
 from api.http import json_response, services
 from api.views import checkpoint_boundary_policy, runner_summary, serving_profile
+from kiln.redact import redact_url
 from kiln.settings import Settings
 from kiln.store import live_runner, store_now
 from kiln_train.optimizer_support import native_training_supported, native_training_unavailable_reason
 
 bp = Blueprint("config", __name__)
-
-
-def redact_url(url: str) -> str:
-    """A URL with its password replaced by `***`."""
-    if "://" not in url or "@" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    credentials, host = rest.rsplit("@", 1)
-    user = credentials.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}" if ":" in credentials else url
 
 
 def public_settings(settings: Settings) -> dict:

@@ -1,5 +1,8 @@
 """`GET /health`, `GET /v1/health`: readiness (database reachable) with the runner summary and
-the execution identity it pinned (kiln-contract §1.1). 503 `database_unavailable` otherwise."""
+the execution identity it pinned (kiln-contract §1.1). 503 `database_unavailable` otherwise.
+
+The probes are public; on a server with api tokens, a caller without a valid one gets liveness
+only (`HealthLiveness`)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
 from api import schemas
+from api.auth import caller_authenticated
 from api.errors import DATABASE_UNAVAILABLE, ApiError
 from api.http import json_response, services
 from api.views import checkpoint_boundary_policy, runner_summary, serving_profile
@@ -36,6 +40,22 @@ def health() -> Response:
         raise ApiError(DATABASE_UNAVAILABLE, f"the job database ({svc.dialect}) is unreachable") from None
     base = runner.model_config.get("base_weights_sha256") if runner is not None else None
     supported = native_training_supported(runner.optimizer_support if runner is not None else None)
+    if not caller_authenticated():
+        summary = runner_summary(runner, now)
+        liveness = (
+            None
+            if summary is None
+            else schemas.RunnerLiveness(state=summary.state, heartbeat_age_s=summary.heartbeat_age_s)
+        )
+        return json_response(
+            schemas.HealthLiveness(
+                status="ok",
+                database=schemas.DatabaseHealth(ok=True, dialect=svc.dialect),
+                runner=liveness,
+                queue_depth=depth,
+                native_training_supported=supported,
+            )
+        )
     return json_response(
         schemas.HealthResponse(
             status="ok",

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from flask import Blueprint, Response, request
 from werkzeug.exceptions import HTTPException
 
 from api.admission import admit_sft
-from api.errors import http_error
-from api.http import json_body, json_response, services
+from api.auth import caller_scope
+from api.errors import ADMISSION_BUSY, ApiError, http_error
+from api.http import discard_body, json_body, json_response, services
+from api.services import Services
 from api.views import training_response
 from kiln_train.errors import KilnError
 
@@ -18,14 +22,35 @@ bp = Blueprint("training", __name__)
 REPLAY_HEADER = "Idempotent-Replayed"
 
 
+@contextmanager
+def admission_slot(svc: Services) -> Iterator[None]:
+    """One of the server's `server.max_concurrent_admissions` slots, or 503 `admission_busy` at once.
+
+    Taken before the body is read: parsing, validating and tokenizing a large body is the costly
+    part, and submissions beyond the slots must not queue behind it (nor starve /health and the
+    status reads of the server's threads and cores)."""
+    slot = svc.admission_slots.try_acquire()
+    if slot is None:
+        discard_body()
+        raise ApiError(
+            ADMISSION_BUSY,
+            f"{svc.admission_slots.count} submission(s) are already being admitted by this server",
+        )
+    try:
+        yield
+    finally:
+        svc.admission_slots.release(slot)
+
+
 @bp.post("/v1/train/sft")
 def submit_sft() -> Response:
     """Admit an SFT job: 200 TrainingResponse, or the envelope of the first gate that refused it."""
     svc = services()
     started = time.perf_counter()
     try:
-        body, _raw = json_body()
-        admitted = admit_sft(svc, body, request.headers.get("Idempotency-Key"))
+        with admission_slot(svc):
+            body, _raw = json_body()
+            admitted = admit_sft(svc, body, request.headers.get("Idempotency-Key"), caller_scope())
     except KilnError as exc:
         svc.metrics.observe_admission("rejected", exc.code, time.perf_counter() - started)
         raise

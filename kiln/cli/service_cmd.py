@@ -23,6 +23,7 @@ from pathlib import Path
 import click
 
 from kiln.cli.config_cmd import load_or_exit
+from kiln.redact import redact_url
 from kiln.settings import ConfigError, Settings, check_bind_safety
 
 GUNICORN_THREADS = 4
@@ -82,12 +83,6 @@ def check_schema(settings: Settings) -> None:
         )
 
 
-def redact_url(url: str) -> str:
-    from kiln.settings import _redact_url
-
-    return _redact_url(url)
-
-
 @contextmanager
 def database_errors(command: str, settings: Settings) -> Iterator[None]:
     """A job database that cannot be reached, a URL SQLAlchemy cannot use or an unknown revision:
@@ -137,7 +132,8 @@ def serve(settings: Settings) -> None:
             self.options = {
                 "bind": [bind_address(settings.server.host, settings.server.port)],
                 "workers": settings.server.workers,
-                "worker_class": "gthread",
+                # gthread, with gunicorn's own 4xx answers in the api's envelope.
+                "worker_class": "kiln.cli.gunicorn_worker.KilnThreadWorker",
                 "threads": GUNICORN_THREADS,
                 "timeout": GUNICORN_TIMEOUT_S,
                 "graceful_timeout": 30,

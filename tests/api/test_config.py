@@ -96,3 +96,27 @@ def test_the_reported_boundary_policy_is_the_one_checkpoints_bind():
     first = checkpoint_boundary_policy()
     first["recompute_mode"] = "changed"
     assert checkpoint_boundary_policy() == POLICY
+
+
+def test_config_never_shows_query_passwords(storage, engine, broker, db_url):
+    # The `?password=` form: libpq and redis-py both take it; trust auth accepts it on Postgres.
+    parsed = make_url(db_url)
+    postgres = parsed.get_backend_name() == "postgresql"
+    url = f"{db_url}?password=hunter2&sslpassword=hunter3" if postgres else db_url
+    settings = make_settings(
+        storage, db_url, broker.queue, queue={"broker_url": "redis://127.0.0.1:6379/11?password=brokerpass"}
+    )
+    settings = settings.model_copy(update={"database": settings.database.model_copy(update={"url": url})})
+    app = create_app(settings)
+    try:
+        response = app.test_client().get("/v1/config")
+        assert response.status_code == 200
+        text = response.get_data(as_text=True)
+        for secret in ("hunter2", "hunter3", "brokerpass"):
+            assert secret not in text
+        body = response.get_json()
+        if postgres:
+            assert body["database"]["url"] == f"{db_url}?password=***&sslpassword=***"
+        assert body["queue"]["broker_url"] == "redis://127.0.0.1:6379/11?password=***"
+    finally:
+        app.extensions["kiln"].close()

@@ -60,3 +60,39 @@ def test_document_is_openapi_3_1_with_resolvable_refs(client):
         "started_at",
         "elapsed_secs",
     }
+
+
+def _integer_schemas(schema, where: str):
+    """Every schema of integer type inside `schema` (anyOf branches, arrays, nested objects)."""
+    if isinstance(schema, dict):
+        if schema.get("type") == "integer":
+            yield where, schema
+        for key, value in schema.items():
+            yield from _integer_schemas(value, f"{where}.{key}")
+    elif isinstance(schema, list):
+        for i, value in enumerate(schema):
+            yield from _integer_schemas(value, f"{where}[{i}]")
+
+
+def test_every_request_integer_has_an_upper_bound(client):
+    schemas = client.get("/openapi.json").get_json()["components"]["schemas"]
+    request_models = ("SftRequest", "SftConfig", "SgdConfig", "AdamWConfig", "MuonConfig")
+    found = {}
+    for model in request_models:
+        for name, prop in schemas[model]["properties"].items():
+            for where, schema in _integer_schemas(prop, f"{model}.{name}"):
+                assert "maximum" in schema, where
+                found[f"{model}.{name}"] = schema["maximum"]
+    assert found == {
+        "SftConfig.epochs": 100_000,
+        "SftConfig.lora_rank": 1 << 20,
+        "SftConfig.checkpoint_interval": 2**64 - 1,
+        "SftConfig.grad_checkpoint_segments": 1024,
+        "SftConfig.seed": 2**64 - 1,
+        "MuonConfig.ns_iters": 20,
+    }
+
+
+def test_the_request_body_states_its_size_and_nesting_limits(client):
+    body = client.get("/openapi.json").get_json()["paths"]["/v1/train/sft"]["post"]["requestBody"]
+    assert "server.max_request_mb" in body["description"] and "64 levels" in body["description"]

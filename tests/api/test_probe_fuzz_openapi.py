@@ -235,7 +235,7 @@ def test_request_string_patterns_match_the_validators(client):
     for value in ["hi", " x ", " ", "", "\t\n"]:
         body = _with(adapter_smoke_test=True, adapter_smoke_prompts=[value])
         assert _matches(prompt["items"], value) == _accepted(body), repr(value)
-    # NUL is refused by the body reader (api.http.unstorable_string), before the validators
+    # NUL is refused by the body reader (api.http.unstorable_value), before the validators
     assert not _matches(prompt["items"], "a\u0000")
     response = client.post(
         "/v1/train/sft", json=_with(adapter_smoke_test=True, adapter_smoke_prompts=["a\u0000"])

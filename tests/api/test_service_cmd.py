@@ -48,6 +48,21 @@ def test_serve_refuses_an_unmigrated_database(tmp_path):
     assert "kiln db upgrade" in result.output
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql+psycopg://kiln:hunter2@127.0.0.1:9/kiln",
+        "postgresql+psycopg://kiln@127.0.0.1:9/kiln?password=hunter2",
+        "postgresql+psycopg://kiln@127.0.0.1:9/kiln?sslpassword=hunter2&password=hunter3",
+    ],
+)
+def test_serve_names_an_unreachable_database_without_its_password(url, tmp_path):
+    result = CliRunner().invoke(cli, ["serve"], env={**_env(tmp_path), "KILN_DATABASE_URL": url})
+    assert result.exit_code == 2
+    assert "job database postgresql+psycopg://kiln" in result.output and "127.0.0.1:9" in result.output
+    assert "hunter" not in result.output and "***" in result.output
+
+
 def test_db_upgrade_creates_the_schema(tmp_path):
     result = CliRunner().invoke(cli, ["db", "upgrade"], env=_env(tmp_path))
     assert result.exit_code == 0, result.output

@@ -5,10 +5,19 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from kiln.store import Job, JobEvent
-from tests.api.conftest import sft_body
+from tests.api.conftest import make_settings, sft_body
 
 THREADS = 50
+
+
+@pytest.fixture
+def settings(storage, db_url, engine, broker):
+    # Every submission is admitted at once: this module tests the store's serialised admission
+    # writes, not the admission slots (tests/api/test_front_door.py does).
+    return make_settings(storage, db_url, broker.queue, server={"max_concurrent_admissions": THREADS})
 
 
 def _run_concurrently(app, requests: list[tuple[dict, dict]]) -> list[tuple[int, dict]]:
