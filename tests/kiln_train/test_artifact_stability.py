@@ -31,6 +31,7 @@ VOLATILE_KEYS = {
     "created_at",
     "path",
     "git_commit",
+    "kiln_commit",
     "git_dirty",
     "git_source",
     "build",
