@@ -48,9 +48,11 @@ from kiln.store import (
     new_job_id,
     states,
 )
-from kiln_train.adapter import ADAPTER_NAME_RE, check_base_adapter_files
+from kiln_train.artifacts.adapter import ADAPTER_NAME_RE, check_base_adapter_files
+from kiln_train.artifacts.provenance import json_sha256
 from kiln_train.checkpoint.manifest import CHECKPOINT_PLAN_AUX_KEY, CHECKPOINT_SUFFIX, checkpoint_dir_name
 from kiln_train.checkpoint.publish import staging_dir_name
+from kiln_train.data.ingestion import IngestionResult, ingest_examples, ingest_jsonl, resolve_dataset_path
 from kiln_train.errors import (
     ADAPTER_ALREADY_EXISTS,
     TRAINING_NO_RUNNER,
@@ -61,10 +63,8 @@ from kiln_train.errors import (
     backend_unsupported,
     invalid_request,
 )
-from kiln_train.ingestion import IngestionResult, ingest_examples, ingest_jsonl, resolve_dataset_path
-from kiln_train.memory import SegmentPlan, available_budget, check_row_plan_fits, plan_segments
-from kiln_train.model_config import Qwen35Config
-from kiln_train.provenance import json_sha256
+from kiln_train.model.config import Qwen35Config
+from kiln_train.plan.memory import SegmentPlan, available_budget, check_row_plan_fits, plan_segments
 from kiln_train.sft_config import SftConfig, SftRequest, parse_sft_request
 
 log = logging.getLogger(__name__)

@@ -38,15 +38,15 @@ from api.runner_gate import check_training_template, runner_target
 from api.schemas import ErrorBody
 from api.services import Services
 from kiln.store import Admission, Job, live_runner, states
-from kiln_train.errors import KilnError, invalid_request
-from kiln_train.ingestion import (
+from kiln_train.data.ingestion import (
     RowOutcome,
     apply_invalid_row_policy,
     iter_jsonl_outcomes,
     resolve_dataset_path,
 )
-from kiln_train.ingestion_inspect import row_facts, token_pieces
-from kiln_train.ingestion_receipt import POLICIES
+from kiln_train.data.ingestion_receipt import POLICIES
+from kiln_train.data.inspect import row_facts, token_pieces
+from kiln_train.errors import KilnError, invalid_request
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +254,7 @@ def inspection_tokenizer(svc: Services) -> tuple[Any, str]:
 
 def _quiet_ingestion() -> None:
     # Skipped rows are part of the answer here, not something to log on every look.
-    logging.getLogger("kiln_train.ingestion").setLevel(logging.ERROR)
+    logging.getLogger("kiln_train.data.ingestion").setLevel(logging.ERROR)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from json.decoder import scanstring
 from typing import Any
 
-from kiln_train.provenance import canonical_json
+from kiln_train.artifacts.provenance import canonical_json
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 
@@ -134,7 +134,7 @@ def _canonical_chunks(value: Any, levels: int) -> Iterator[bytes]:
 
 
 def canonical_sha256(value: Any) -> str:
-    """`kiln_train.provenance.json_sha256(value)`, encoded a member and an element at a time."""
+    """`kiln_train.artifacts.provenance.json_sha256(value)`, encoded a member and an element at a time."""
     digest = hashlib.sha256()
     for chunk in _canonical_chunks(value, levels=2):
         digest.update(chunk)

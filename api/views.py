@@ -16,8 +16,8 @@ from typing import Any
 
 from api import schemas
 from kiln.store import Adapter, Admission, Job, JobEvent, Runner, TrainingStep, states
-from kiln_train import memory_formulas
 from kiln_train.checkpoint import CheckpointError, read_checkpoint_manifest
+from kiln_train.plan import formulas as memory_formulas
 
 LOSS_HISTORY_MAX = 1024
 GIB = 1 << 30

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kiln_train.errors import invalid_request
-from kiln_train.model_config import MAX_DIMENSION, MAX_LAYERS
+from kiln_train.model.config import MAX_DIMENSION, MAX_LAYERS
 
 log = logging.getLogger(__name__)
 

@@ -78,7 +78,7 @@ def database(backend: str, workdir: Path):
 
 
 def runner_row(model_dir: Path) -> dict:
-    from kiln_train.resident import load_resident
+    from kiln_train.model.resident import load_resident
     from worker.runner import runner_registration
 
     kwargs = runner_registration(load_resident(model_dir))
@@ -229,7 +229,7 @@ def main() -> None:
     parser.add_argument("--backends", default="sqlite,postgres")
     args = parser.parse_args()
 
-    from kiln_train.tiny import write_tiny_checkpoint
+    from kiln_train.model.tiny import write_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_checkpoint(Path(tmp) / "tiny", preset="tiny")

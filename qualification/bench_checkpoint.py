@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save
 
-from kiln_train.backend import backend_for_device
+from kiln_train.artifacts.provenance import json_sha256, shard_aggregate
 from kiln_train.checkpoint import (
     ADAPTER_FILE,
     LOOP_STATE_FILE,
@@ -35,10 +35,10 @@ from kiln_train.checkpoint import (
     publish_checkpoint,
     sft_manifest_draft,
 )
-from kiln_train.model_config import parse_config
-from kiln_train.provenance import json_sha256, shard_aggregate
+from kiln_train.model.config import parse_config
+from kiln_train.model.tiny import text_config
+from kiln_train.plan.backend import backend_for_device
 from kiln_train.sft_config import parse_sft_config
-from kiln_train.tiny import text_config
 
 ITEMS = 200
 STEP = 250  # epoch 1, cursor 50

@@ -27,12 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from kiln_train.checkpoint import load_checkpoint  # noqa: E402
-from kiln_train.ingestion import ingest_examples  # noqa: E402
-from kiln_train.resident import load_resident  # noqa: E402
+from kiln_train.data.ingestion import ingest_examples  # noqa: E402
+from kiln_train.data.tokenizer import build_tokenizer  # noqa: E402
+from kiln_train.model.resident import load_resident  # noqa: E402
+from kiln_train.model.tiny import write_tiny_checkpoint  # noqa: E402
 from kiln_train.sft_config import parse_sft_config  # noqa: E402
-from kiln_train.tiny import write_tiny_checkpoint  # noqa: E402
-from kiln_train.tokenizer import build_tokenizer  # noqa: E402
-from kiln_train.trainer import train_sft  # noqa: E402
+from kiln_train.train.trainer import train_sft  # noqa: E402
 
 OPTIMIZERS = {"sgd": 1e-4, "adam_w": 1e-4, "muon": 1e-3}
 

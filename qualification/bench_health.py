@@ -227,7 +227,7 @@ def main() -> None:
     parser.add_argument("--backend", choices=("sqlite", "postgres"), default="sqlite")
     args = parser.parse_args()
 
-    from kiln_train.tiny import write_tiny_checkpoint
+    from kiln_train.model.tiny import write_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         runner_kwargs = runner_row(write_tiny_checkpoint(Path(tmp) / "tiny", preset="tiny"))

@@ -22,9 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kiln_train.chat_template import training_template  # noqa: E402
-from kiln_train.ingestion import IngestionTimings, ingest_examples, ingest_jsonl  # noqa: E402
-from kiln_train.tokenizer import build_tokenizer  # noqa: E402
+from kiln_train.data.chat_template import training_template  # noqa: E402
+from kiln_train.data.ingestion import IngestionTimings, ingest_examples, ingest_jsonl  # noqa: E402
+from kiln_train.data.tokenizer import build_tokenizer  # noqa: E402
 
 SYLLABLES = [
     "ka",

@@ -10,10 +10,10 @@ ten targets with AdamW, for T in {512, 2048, 8192}:
   alpha), their standard loss `model(input_ids, labels=labels).loss`, `torch.optim.AdamW`.
 
 Each (route, T) runs in its own fresh subprocess with the cpu allocator policy of the worker
-(`kiln_train.memory.apply_cpu_allocator_policy`, applied to all three alike). Peak memory is the
+(`kiln_train.plan.memory.apply_cpu_allocator_policy`, applied to all three alike). Peak memory is the
 peak RSS above the RSS after the model is loaded; step time is the mean of the measured steps
 after one warm-up step. A case whose dense logits would not fit in the machine's available memory
-(estimated with the full_logits formula of `kiln_train.memory`) is skipped, not run into an OOM.
+(estimated with the full_logits formula of `kiln_train.plan.memory`) is skipped, not run into an OOM.
 
 Targets (issue 5) at T = 2048: kt_tape_flce peak RSS <= 0.4x hf_peft and step time <= 0.7x.
 
@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kiln_train.model_config import LORA_TARGET_MODULES
+from kiln_train.model.config import LORA_TARGET_MODULES
 
 MIB = 1 << 20
 ROUTES = ("kt_tape_flce", "full_logits", "hf_peft")
@@ -73,10 +73,10 @@ def _row(seq_len: int, vocab: int, step: int):
 
 
 def kiln_stepper(model_dir: str, route: str):
-    from kiln_train.loss import sft_loss
     from kiln_train.model import attach_lora, load_model
     from kiln_train.optim import build_optimizer
     from kiln_train.sft_config import AdamWConfig
+    from kiln_train.train.loss import sft_loss
 
     model = load_model(model_dir)
     vocab = model.config.vocab_size
@@ -130,7 +130,7 @@ def hf_stepper(model_dir: str):
 def run_child(model_dir: str, route: str, seq_len: int, steps: int) -> dict:
     import torch
 
-    from kiln_train.memory import apply_cpu_allocator_policy
+    from kiln_train.plan.memory import apply_cpu_allocator_policy
 
     apply_cpu_allocator_policy()
     torch.manual_seed(0)
@@ -151,9 +151,9 @@ def run_child(model_dir: str, route: str, seq_len: int, steps: int) -> dict:
 
 
 def dense_logits_bytes(model_dir: str, seq_len: int) -> int:
-    from kiln_train.backend import backend_for_device
-    from kiln_train.memory_formulas import loss_workspace_bytes
-    from kiln_train.model_config import load_config
+    from kiln_train.model.config import load_config
+    from kiln_train.plan.backend import backend_for_device
+    from kiln_train.plan.formulas import loss_workspace_bytes
 
     config = load_config(model_dir)
     e = backend_for_device("cpu").dtype_bytes
@@ -173,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_child(model_dir, route, int(seq_len), args.steps)))
         return 0
 
-    from kiln_train.memory import cpu_available_bytes
-    from kiln_train.tiny import write_tiny_checkpoint
+    from kiln_train.model.tiny import write_tiny_checkpoint
+    from kiln_train.plan.memory import cpu_available_bytes
 
     results: dict[tuple[str, int], dict | str] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -36,8 +36,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kiln_train.model import Qwen35Model, attach_lora, load_model, load_tensors_into  # noqa: E402
-from kiln_train.model_config import LORA_TARGET_MODULES, QWEN35_4B_TEXT_CONFIG, parse_config  # noqa: E402
-from kiln_train.tiny import random_tensors, text_config, wrapper_config, write_tiny_checkpoint  # noqa: E402
+from kiln_train.model.config import LORA_TARGET_MODULES, QWEN35_4B_TEXT_CONFIG, parse_config  # noqa: E402
+from kiln_train.model.tiny import random_tensors, text_config, wrapper_config, write_tiny_checkpoint  # noqa: E402
 
 # Qwen3.5-4B text shape (qwen35.md §1.1); weights are random, drawn on the device.
 QWEN35_4B = {k: v for k, v in QWEN35_4B_TEXT_CONFIG.items() if k != "dtype"}
@@ -309,7 +309,7 @@ def run_parity(args) -> None:
     device = torch.device(args.device)
     if device.type != "cuda" or not torch.cuda.is_available():
         raise SystemExit(
-            "--parity compares bf16 on CUDA; the f32 CPU parity lives in tests/kiln_train/test_model_parity.py"
+            "--parity compares bf16 on CUDA; the f32 CPU parity lives in tests/kiln_train/model/test_model_parity.py"
         )
     fla_reason = fla_unusable_reason(torch.device("cuda", torch.cuda.current_device()))
     impls = ["chunk"] + (["fla"] if fla_reason is None else [])

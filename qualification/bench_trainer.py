@@ -103,10 +103,10 @@ def peak_rss_mib() -> float:
 def run_ours(args, rows) -> dict:
     import torch
 
-    from kiln_train.ingestion import ingest_examples
-    from kiln_train.resident import load_resident
+    from kiln_train.data.ingestion import ingest_examples
+    from kiln_train.model.resident import load_resident
     from kiln_train.sft_config import parse_sft_config
-    from kiln_train.trainer import train_sft
+    from kiln_train.train.trainer import train_sft
 
     resident = load_resident(args.model_dir)
     ingestion = ingest_examples(rows, tokenizer=resident.tokenizer, template=resident.template)
@@ -155,9 +155,9 @@ def run_theirs(args, rows) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kiln_train.ingestion import ingest_examples
-    from kiln_train.model_config import LORA_TARGET_MODULES
-    from kiln_train.resident import load_resident
+    from kiln_train.data.ingestion import ingest_examples
+    from kiln_train.model.config import LORA_TARGET_MODULES
+    from kiln_train.model.resident import load_resident
 
     # The same admitted rows: the tokenizer and template are loaded the way the trainer loads them.
     resident = load_resident(args.model_dir)
@@ -197,7 +197,7 @@ def run_theirs(args, rows) -> dict:
 def run_worker(args) -> None:
     import torch
 
-    from kiln_train.tokenizer import load_tokenizer
+    from kiln_train.data.tokenizer import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -238,8 +238,8 @@ def _summary(runs: list[dict]) -> dict:
 
 
 def run_benchmark(args) -> None:
-    from kiln_train.tiny import write_tiny_checkpoint
-    from kiln_train.tokenizer import build_tokenizer
+    from kiln_train.data.tokenizer import build_tokenizer
+    from kiln_train.model.tiny import write_tiny_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="kiln-bench-trainer-") as tmp:
         model_dir = str(

@@ -1,4 +1,4 @@
-"""Is the admission estimate honest? Real SFT steps measured against `kiln_train.memory.estimate`.
+"""Is the admission estimate honest? Real SFT steps measured against `kiln_train.plan.memory.estimate`.
 
 Each case runs in a FRESH subprocess: load the model (a tiny random checkpoint, default preset
 `small`), warm the runtime up as the resident worker does at start (`warm_up`: one 16-token
@@ -6,7 +6,7 @@ checkpointed step), release freed heap memory, then take the baseline. Then atta
 exactly as the trainer does (`hidden_states` with the segment count, `sft_loss` on the route,
 `backward`, the gradient dict, `optimizer.step`, grads released), and measure the peak:
 
-- cpu: with the worker's allocator policy (`kiln_train.memory.apply_cpu_allocator_policy`),
+- cpu: with the worker's allocator policy (`kiln_train.plan.memory.apply_cpu_allocator_policy`),
   peak RSS (`VmHWM`, reset with `/proc/self/clear_refs` after the baseline) minus the RSS
   at the baseline: what the process really took from the machine, allocator slack included;
 - cuda: `torch.cuda.max_memory_allocated()` minus the allocated bytes at the baseline.
@@ -129,11 +129,11 @@ def _make_row(seq_len: int, supervised: int, vocab: int, seed: int):
 
 
 def train_steps(model, case: Case, device, steps: int, seed: int = 0) -> None:
-    """Real steps, as `kiln_train.trainer` runs them."""
-    from kiln_train.loss import sft_loss
+    """Real steps, as `kiln_train.train.trainer` runs them."""
     from kiln_train.model import attach_lora
     from kiln_train.optim import build_optimizer
     from kiln_train.sft_config import AdamWConfig, MuonConfig, SgdConfig
+    from kiln_train.train.loss import sft_loss
 
     lora = attach_lora(model, case.rank, float(2 * case.rank), seed)
     named = lora.named_parameters()
@@ -172,8 +172,8 @@ def warm_up(model, device) -> None:
 def run_child(model_dir: str, device_name: str, case: Case) -> dict:
     import torch
 
-    from kiln_train.memory import apply_cpu_allocator_policy
     from kiln_train.model import load_model
+    from kiln_train.plan.memory import apply_cpu_allocator_policy
 
     torch.manual_seed(0)
     device = torch.device(device_name)
@@ -202,9 +202,9 @@ def run_child(model_dir: str, device_name: str, case: Case) -> dict:
 
 
 def estimate_case(model_dir: str, device_name: str, case: Case):
-    from kiln_train.backend import backend_for_device
-    from kiln_train.memory import estimate
-    from kiln_train.model_config import load_config
+    from kiln_train.model.config import load_config
+    from kiln_train.plan.backend import backend_for_device
+    from kiln_train.plan.memory import estimate
 
     return estimate(
         load_config(model_dir),
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir
         if model_dir is None:
-            from kiln_train.tiny import write_tiny_checkpoint
+            from kiln_train.model.tiny import write_tiny_checkpoint
 
             model_dir = str(write_tiny_checkpoint(Path(tmp) / args.preset, args.preset, with_tokenizer=False))
         rows = run_table(model_dir, args.device, quick_cases() if args.quick else full_cases())

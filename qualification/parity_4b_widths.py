@@ -26,8 +26,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kiln_train.model import attach_lora, load_model  # noqa: E402
-from kiln_train.model_config import LORA_TARGET_MODULES, QWEN35_4B_TEXT_CONFIG  # noqa: E402
-from kiln_train.tiny import write_tiny_checkpoint  # noqa: E402
+from kiln_train.model.config import LORA_TARGET_MODULES, QWEN35_4B_TEXT_CONFIG  # noqa: E402
+from kiln_train.model.tiny import write_tiny_checkpoint  # noqa: E402
 
 RANK, ALPHA = 16, 32.0
 LOGIT_TOL, GRAD_TOL = 1e-5, 1e-4

@@ -2,7 +2,7 @@
 
 Qwen3.5-2B and smaller ship the nothink chat template (TRL's `qwen3_5_nothink.jinja`); TRL trains
 them with `qwen3_5_nothink_training.jinja`. Kiln selects its one training template for both the
-think and the nothink model template (`kiln_train.chat_template.select_training_template`). That
+think and the nothink model template (`kiln_train.data.chat_template.select_training_template`). That
 is only right if the two TRL training variants produce the same text, ids and assistant mask for
 every SFT conversation (add_generation_prompt=false). This script proves it with the real stack:
 Transformers' `apply_chat_template(..., return_assistant_tokens_mask=True)` over Kiln's converted
@@ -13,7 +13,7 @@ keeps. It also records both variants' generation prompts, the one place they dif
 
 The fixture `qualification/fixtures/qwen35_sft_nothink_equivalence_v1.json` records the counts,
 the template digests and the digests of the source fixtures it read;
-tests/kiln_train/test_chat_template_nothink.py checks it without TRL.
+tests/kiln_train/data/test_chat_template_nothink.py checks it without TRL.
 
 Regenerate (after any source fixture changes):
 
@@ -35,8 +35,8 @@ sys.path.insert(0, str(REPO / "qualification"))
 
 from sft_template_oracle import _library_versions, oracle_input, run_kiln, run_oracle  # noqa: E402
 
-from kiln_train.chat_template import NOTHINK_TEMPLATE_FILE, training_chat_template_sha256  # noqa: E402
-from kiln_train.tokenizer import build_tokenizer, write_tokenizer  # noqa: E402
+from kiln_train.data.chat_template import NOTHINK_TEMPLATE_FILE, training_chat_template_sha256  # noqa: E402
+from kiln_train.data.tokenizer import build_tokenizer, write_tokenizer  # noqa: E402
 
 FIXTURES = REPO / "qualification" / "fixtures"
 SOURCES = ("qwen35_sft_oracle_v1.json", "qwen35_sft_conversations_v1.json", "qwen35_sft_probe2_v1.json")

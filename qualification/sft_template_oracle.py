@@ -3,7 +3,7 @@
 The reference is the real stack: Transformers `apply_chat_template(..., tokenize=True,
 return_dict=True, return_assistant_tokens_mask=True)` running TRL's bundled
 `qwen3_5_think_training.jinja` over Kiln's own tokenizer.json (built by
-`kiln_train.tokenizer.write_tokenizer`, loaded as `PreTrainedTokenizerFast(tokenizer_file=...)`
+`kiln_train.data.tokenizer.write_tokenizer`, loaded as `PreTrainedTokenizerFast(tokenizer_file=...)`
 so `ignore_merges` stays True, qwen35.md §7.3). Labels are `input_ids` where the mask is 1,
 else -100.
 
@@ -15,7 +15,7 @@ Transformers/TRL do their own joining and unwrapping.
 The fixture holds named cases (plain, explicit and inline thinking, tools, tool responses,
 parallel calls, multi-turn, adversarial delimiter literals, structured content, template errors)
 with full text/ids/masks/labels, plus a seeded random differential set (text, ids and supervised
-token ranges). tests/kiln_train/test_chat_template.py compares Kiln with it without importing
+token ranges). tests/kiln_train/data/test_chat_template.py compares Kiln with it without importing
 TRL.
 
 A second fixture, qualification/fixtures/qwen35_sft_conversations_v1.json, holds 300 conversations
@@ -24,13 +24,13 @@ from a broader seeded generator (`conversation_rows`: reasoning under every fiel
 name/tool_call_id, content-part arrays, Unicode whitespace, NFD text, CRLF, delimiter literals in
 every role, empty and whitespace-only turns) with full text, ids and supervised token ranges, and
 named edge rows recording the oracle's result next to the rejection Kiln must give and why.
-tests/kiln_train/test_conversations_oracle.py compares Kiln with it exactly, without TRL.
+tests/kiln_train/data/test_conversations_oracle.py compares Kiln with it exactly, without TRL.
 
 A third fixture, qualification/fixtures/qwen35_sft_probe2_v1.json, holds named corner rows and 200
 conversations from `probe2_rows` (tool-call arguments of every JSON type and spelling, turns after the
 last assistant, consecutive assistant/user turns, reasoning aliases given together, fields the template
 ignores, content parts without a type, control characters, nested or non-OpenAI tools schemas) and edge
-rows Kiln refuses although TRL renders them; tests/kiln_train/test_conversations_probe2_oracle.py
+rows Kiln refuses although TRL renders them; tests/kiln_train/data/test_conversations_probe2_oracle.py
 compares Kiln with it exactly, without TRL.
 
 Regenerate (writes all three fixtures; a fixture's bytes do not change unless its cases do):
@@ -60,10 +60,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kiln_train.chat_template import TRAINING_TEMPLATE_FILE, training_chat_template_sha256  # noqa: E402
-from kiln_train.ingestion import iter_example_outcomes  # noqa: E402
-from kiln_train.labels import IGNORE_INDEX, MASK_CONTRACT  # noqa: E402
-from kiln_train.tokenizer import build_tokenizer, vocabulary_file, write_tokenizer  # noqa: E402
+from kiln_train.data.chat_template import TRAINING_TEMPLATE_FILE, training_chat_template_sha256  # noqa: E402
+from kiln_train.data.ingestion import iter_example_outcomes  # noqa: E402
+from kiln_train.data.labels import IGNORE_INDEX, MASK_CONTRACT  # noqa: E402
+from kiln_train.data.tokenizer import build_tokenizer, vocabulary_file, write_tokenizer  # noqa: E402
 
 FIXTURE = REPO / "qualification" / "fixtures" / "qwen35_sft_oracle_v1.json"
 FIXTURE_SCHEMA = "kiln.qwen35-sft-oracle.v1"
@@ -434,8 +434,8 @@ def oracle_input(row: dict) -> tuple[list[dict], list[dict] | None]:
 
 def kiln_template_input(row: dict) -> tuple[list[dict], list[dict] | None] | None:
     """The plain data Kiln's normaliser hands its training template (None when Kiln rejects earlier)."""
-    from kiln_train.conversation import RowRejection, check_roles, parse_example, prepare_for_template
-    from kiln_train.row_identity import canonical_json
+    from kiln_train.data.conversation import RowRejection, check_roles, parse_example, prepare_for_template
+    from kiln_train.data.row_identity import canonical_json
 
     try:
         parsed = parse_example(row)
@@ -1481,7 +1481,7 @@ def probe2_edges() -> list[dict]:
         call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
         return {"messages": [q, {"role": "assistant", "content": None, "tool_calls": [call]}]}
 
-    test = "tests/kiln_train/test_conversations_probe2_arguments.py"
+    test = "tests/kiln_train/data/test_conversations_probe2_arguments.py"
     where = "messages[1].tool_calls[0].function.arguments"
     return [
         {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln_train.tokenizer import build_tokenizer, write_tokenizer
+from kiln_train.data.tokenizer import build_tokenizer, write_tokenizer
 
 
 @pytest.fixture(scope="session")

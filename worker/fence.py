@@ -4,7 +4,7 @@ Every claim of a job increments its `attempts`; a run holds the number its claim
 the run makes to the store is conditioned on that number in the same transaction
 (`kiln.store.require_owner` and the `attempt` arguments), and each directory it renames into
 the adapter registry is checked against it right before and right after the rename
-(`kiln_train.fencing`). A worker that stalled past its lease (GC pause, VM freeze, SIGSTOP) and
+(`kiln_train.artifacts.fencing`). A worker that stalled past its lease (GC pause, VM freeze, SIGSTOP) and
 wakes after the job was given to another claim therefore changes nothing the current owner
 records or publishes: it stops at its next check and records nothing.
 """
@@ -14,12 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from kiln import store
+from kiln_train.artifacts.fencing import DirIdentity, RunIdentity
 from kiln_train.checkpoint import CheckpointManifest
-from kiln_train.fencing import DirIdentity, RunIdentity
 
 
 class JobFence:
-    """`kiln_train.fencing.Fence` for one claim of one job."""
+    """`kiln_train.artifacts.fencing.Fence` for one claim of one job."""
 
     def __init__(self, runtime, job_id: str, attempt: int, identity: RunIdentity) -> None:
         self.runtime = runtime

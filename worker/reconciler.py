@@ -29,10 +29,10 @@ from pathlib import Path
 from kiln import store
 from kiln.store import states
 from kiln_train import checkpoint as ckpt
-from kiln_train.adapter import ADAPTER_MODEL, TRAIN_RECEIPT
+from kiln_train.artifacts.adapter import ADAPTER_MODEL, TRAIN_RECEIPT
+from kiln_train.artifacts.fencing import RunIdentity, rehome
+from kiln_train.artifacts.provenance import file_digest
 from kiln_train.errors import KilnError
-from kiln_train.fencing import RunIdentity, rehome
-from kiln_train.provenance import file_digest
 from worker.celery_app import publish_job
 
 log = logging.getLogger(__name__)

@@ -10,9 +10,9 @@ import os
 import socket
 from pathlib import Path
 
-from kiln_train.memory import cpu_available_bytes
-from kiln_train.optimizer_support import optimizer_support_report
-from kiln_train.resident import ResidentModel
+from kiln_train.model.resident import ResidentModel
+from kiln_train.plan.memory import cpu_available_bytes
+from kiln_train.plan.optimizer_support import optimizer_support_report
 
 
 def heartbeat_file(settings) -> Path:

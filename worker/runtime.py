@@ -28,14 +28,14 @@ from kiln import store
 from kiln.settings import Settings
 from kiln.store import states
 from kiln_train import checkpoint as ckpt
-from kiln_train.adapter import ADAPTER_MODEL
+from kiln_train.artifacts.adapter import ADAPTER_MODEL
+from kiln_train.artifacts.fencing import RunIdentity, grab_leftover, take_back
+from kiln_train.artifacts.provenance import file_digest
 from kiln_train.errors import KilnError, OwnershipLost
-from kiln_train.fencing import RunIdentity, grab_leftover, take_back
-from kiln_train.memory import available_budget
-from kiln_train.provenance import file_digest
-from kiln_train.resident import ResidentModel
-from kiln_train.trainer import train_sft
-from kiln_train.trainer_support import StepReport, TrainResult
+from kiln_train.model.resident import ResidentModel
+from kiln_train.plan.memory import available_budget
+from kiln_train.train.support import StepReport, TrainResult
+from kiln_train.train.trainer import train_sft
 from worker.fence import JobFence
 from worker.reconciler import Reconciler, unrecorded_checkpoints_beyond
 from worker.runner import device_memory, heartbeat_file, runner_registration

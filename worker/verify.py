@@ -14,11 +14,11 @@ from pathlib import Path
 
 from kiln.settings import Settings
 from kiln_train import checkpoint as ckpt
+from kiln_train.artifacts.provenance import json_sha256
+from kiln_train.data.ingestion import IngestionResult, ingest_examples, ingest_jsonl, resolve_dataset_path
 from kiln_train.errors import KilnError
-from kiln_train.ingestion import IngestionResult, ingest_examples, ingest_jsonl, resolve_dataset_path
-from kiln_train.optimizer_support import check_optimizer_tuple
-from kiln_train.provenance import json_sha256
-from kiln_train.resident import ResidentModel
+from kiln_train.model.resident import ResidentModel
+from kiln_train.plan.optimizer_support import check_optimizer_tuple
 from kiln_train.sft_config import SftConfig, parse_sft_config
 
 PLAN_DRIFT = "plan_drift"

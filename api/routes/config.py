@@ -11,7 +11,7 @@ from api.views import checkpoint_boundary_policy, runner_summary, serving_profil
 from kiln.redact import redact_url
 from kiln.settings import Settings
 from kiln.store import live_runner, store_now
-from kiln_train.optimizer_support import native_training_supported, native_training_unavailable_reason
+from kiln_train.plan.optimizer_support import native_training_supported, native_training_unavailable_reason
 
 bp = Blueprint("config", __name__)
 

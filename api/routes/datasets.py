@@ -29,8 +29,8 @@ from api.datasets import (
 )
 from api.errors import UNSUPPORTED_MEDIA_TYPE, ApiError
 from api.http import json_response, query_int, services
+from kiln_train.data.ingestion_receipt import POLICIES
 from kiln_train.errors import invalid_request
-from kiln_train.ingestion_receipt import POLICIES
 
 bp = Blueprint("datasets", __name__)
 

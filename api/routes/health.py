@@ -18,7 +18,7 @@ from api.errors import DATABASE_UNAVAILABLE, ApiError
 from api.http import json_response, services
 from api.views import checkpoint_boundary_policy, runner_summary, serving_profile
 from kiln.store import count_queued, live_runner, store_now
-from kiln_train.optimizer_support import native_training_supported
+from kiln_train.plan.optimizer_support import native_training_supported
 
 log = logging.getLogger(__name__)
 

@@ -26,12 +26,16 @@ from pathlib import Path
 import click
 
 from kiln.cli.tokenizer_cmd import cached_tokenizer
-from kiln_train.chat_template import load_model_chat_template, select_training_template, training_template
+from kiln_train.data.chat_template import (
+    load_model_chat_template,
+    select_training_template,
+    training_template,
+)
+from kiln_train.data.ingestion import RowOutcome, apply_invalid_row_policy, iter_jsonl_outcomes
+from kiln_train.data.ingestion_receipt import POLICIES
+from kiln_train.data.inspect import row_facts
+from kiln_train.data.tokenizer import load_tokenizer
 from kiln_train.errors import KilnError
-from kiln_train.ingestion import RowOutcome, apply_invalid_row_policy, iter_jsonl_outcomes
-from kiln_train.ingestion_inspect import row_facts
-from kiln_train.ingestion_receipt import POLICIES
-from kiln_train.tokenizer import load_tokenizer
 
 OPEN_BRACKET, CLOSE_BRACKET = "⟦", "⟧"
 # C0 controls except tab and newline, DEL, C1 controls, zero-width/bidi formatting that reorders or
@@ -117,7 +121,7 @@ def register(cli: click.Group) -> None:
         except (KilnError, FileNotFoundError) as exc:
             click.echo(f"kiln: {getattr(exc, 'message', exc)}", err=True)
             sys.exit(2)
-        logging.getLogger("kiln_train.ingestion").setLevel(logging.ERROR)  # rows are shown below
+        logging.getLogger("kiln_train.data.ingestion").setLevel(logging.ERROR)  # rows are shown below
         try:
             outcomes = list(iter_jsonl_outcomes(file, tokenizer=tokenizer, template=template))
         except OSError as exc:

@@ -171,7 +171,7 @@ def model_is_complete(model_dir: Path) -> bool:
 def ensure_model(model_dir: Path, preset: str) -> None:
     """Build the random checkpoint once per root, atomically (staging directory + rename)."""
     from kiln.cli.tokenizer_cmd import cached_tokenizer
-    from kiln_train.tiny import write_tiny_checkpoint
+    from kiln_train.model.tiny import write_tiny_checkpoint
 
     if model_is_complete(model_dir):
         return

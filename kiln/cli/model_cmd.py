@@ -41,8 +41,8 @@ def register(cli: click.Group) -> None:
         """Write a complete random Qwen3.5 checkpoint (config, weights incl. mtp.*, tokenizer, template)."""
         from kiln.cli.tokenizer_cmd import cached_tokenizer, io_reason, is_io_error
         from kiln_train.errors import KilnError
-        from kiln_train.model_config import load_config
-        from kiln_train.tiny import write_tiny_checkpoint
+        from kiln_train.model.config import load_config
+        from kiln_train.model.tiny import write_tiny_checkpoint
 
         if if_missing and (out_dir / "config.json").is_file():
             try:

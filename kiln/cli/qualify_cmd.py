@@ -33,7 +33,7 @@ def register(cli: click.Group) -> None:
     )
     def qualify(workload: str, device: str, out_dir: Path | None) -> None:
         """Run WORKLOAD (fixture contract, portable reference, resident backend) and write a receipt."""
-        from kiln_train.qualify import (
+        from kiln_train.qualify.workload import (
             DEFAULT_RECEIPT_DIR,
             EXIT_CODES,
             qualify_adamw_oracle,

@@ -3,7 +3,7 @@ a local JSONL file, the canary prompts file, and the wait for the job to finish 
 sends `training_profile` explicitly; `--adapter-smoke-prompts-file` loads a JSON string array or
 one text prompt).
 
-The JSONL rule is the server's (kiln_train.ingestion): lines split on LF, ASCII whitespace
+The JSONL rule is the server's (kiln_train.data.ingestion): lines split on LF, ASCII whitespace
 stripped, blank lines are not rows. Rows travel inline as parsed JSON objects.
 """
 

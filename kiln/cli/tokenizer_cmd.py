@@ -18,19 +18,19 @@ from pathlib import Path
 
 import click
 
-from kiln_train.errors import KilnError
-from kiln_train.tokenizer import (
+from kiln_train.data.tokenizer import (
     SPECIAL_TOKENS,
     build_tokenizer,
     load_tokenizer,
     vocabulary_file,
     write_tokenizer,
 )
+from kiln_train.errors import KilnError
 
 log = logging.getLogger(__name__)
 
 
-# What `kiln tokenizer build` writes (kiln_train.tokenizer.write_tokenizer).
+# What `kiln tokenizer build` writes (kiln_train.data.tokenizer.write_tokenizer).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -41,7 +41,7 @@ def cache_root() -> Path:
 
 def cache_key() -> str:
     """SHA-256 over the vocabulary file and the tokenizer builder's source."""
-    import kiln_train.tokenizer as builder
+    import kiln_train.data.tokenizer as builder
 
     h = hashlib.sha256(vocabulary_file().read_bytes())
     h.update(b"\0")

@@ -53,9 +53,9 @@ def run_worker(settings) -> None:
     from celery import signals
 
     from kiln_train.errors import KilnError
-    from kiln_train.memory import apply_cpu_allocator_policy
-    from kiln_train.resident import load_resident
-    from kiln_train.trainer_support import warm_up
+    from kiln_train.model.resident import load_resident
+    from kiln_train.plan.memory import apply_cpu_allocator_policy
+    from kiln_train.train.support import warm_up
     from worker.celery_app import celery_app, celery_config
     from worker.runtime import WorkerRuntime
     from worker.tasks import install_runtime

@@ -15,7 +15,7 @@ Until step 7 nothing exists under the final name, and the staging dir (hidden, n
 name beside a stale one. An ordinary exception removes the staging dir; a crash leaves it.
 
 A service run passes a `fence` (checked right before the rename and again right after it, see
-`kiln_train.fencing`): a checkpoint already under the target name that a stale run of the same
+`kiln_train.artifacts.fencing`): a checkpoint already under the target name that a stale run of the same
 job wrote is then adopted when it is identical to this one (same manifest but for `created_at`,
 same file bytes) and withdrawn otherwise, instead of failing the run.
 
@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kiln_train.artifacts.fencing import Fence, adopt_files, fenced_rename, grab_leftover, put_back
 from kiln_train.checkpoint import fs
 from kiln_train.checkpoint.draft import ManifestDraft
 from kiln_train.checkpoint.errors import CheckpointError
@@ -51,7 +52,6 @@ from kiln_train.checkpoint.manifest import (
     parse_manifest_bytes,
 )
 from kiln_train.checkpoint.rules import check_relpath, validate_manifest
-from kiln_train.fencing import Fence, adopt_files, fenced_rename, grab_leftover, put_back
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kiln_train.backend import SFT_LOSS_ROUTES
+from kiln_train.artifacts.provenance import shard_aggregate, verify_provenance_digest
 from kiln_train.checkpoint.epoch_order import epoch_order
 from kiln_train.checkpoint.errors import CheckpointError
 from kiln_train.checkpoint.manifest import (
@@ -35,7 +35,7 @@ from kiln_train.checkpoint.manifest import (
     check_identifier,
     checkpoint_id_for,
 )
-from kiln_train.provenance import shard_aggregate, verify_provenance_digest
+from kiln_train.plan.backend import SFT_LOSS_ROUTES
 from kiln_train.sft_config import SftConfig, describe_validation_error
 
 

@@ -1,30 +1,35 @@
-"""The native Qwen3.5 text model with LoRA (DESIGN §3; qwen35.md §2).
+"""The native Qwen3.5 text model with LoRA (docs/ARCHITECTURE.md#packages).
 
-Public interface: `load_model`, `Qwen35Model`, `attach_lora`, `LoraSet`.
+Public interface: `load_model`, `Qwen35Model`, `attach_lora`, `LoraSet`. The torch modules load
+on first use, so the torch-free parts of this package (`config`, the model's `config.json`
+reading that the api's memory admission needs) import without torch.
 """
 
-from kiln_train.model.checkpointing import segment_bounds
-from kiln_train.model.delta_rule import (
-    chunk_gated_delta_rule,
-    gated_delta_rule,
-    recurrent_gated_delta_rule,
-)
-from kiln_train.model.loader import CheckpointError, load_model, load_state_into, load_tensors_into
-from kiln_train.model.lora import LORA_INIT_ALGORITHM, LoraSet, attach_lora, lora_key
-from kiln_train.model.qwen35 import Qwen35Model
+from __future__ import annotations
 
-__all__ = [
-    "LORA_INIT_ALGORITHM",
-    "CheckpointError",
-    "LoraSet",
-    "Qwen35Model",
-    "attach_lora",
-    "chunk_gated_delta_rule",
-    "gated_delta_rule",
-    "load_model",
-    "load_state_into",
-    "load_tensors_into",
-    "lora_key",
-    "recurrent_gated_delta_rule",
-    "segment_bounds",
-]
+import importlib
+
+_EXPORTS = {
+    "segment_bounds": "kiln_train.model.checkpointing",
+    "chunk_gated_delta_rule": "kiln_train.model.delta_rule",
+    "gated_delta_rule": "kiln_train.model.delta_rule",
+    "recurrent_gated_delta_rule": "kiln_train.model.delta_rule",
+    "CheckpointError": "kiln_train.model.loader",
+    "load_model": "kiln_train.model.loader",
+    "load_state_into": "kiln_train.model.loader",
+    "load_tensors_into": "kiln_train.model.loader",
+    "LORA_INIT_ALGORITHM": "kiln_train.model.lora",
+    "LoraSet": "kiln_train.model.lora",
+    "attach_lora": "kiln_train.model.lora",
+    "lora_key": "kiln_train.model.lora",
+    "Qwen35Model": "kiln_train.model.qwen35",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kiln_train.model' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln_train.model.config import Qwen35Config
 from kiln_train.model.linear import FrozenLinear
 from kiln_train.model.norms import OffsetRMSNorm
 from kiln_train.model.rope import apply_partial_rope
-from kiln_train.model_config import Qwen35Config
 
 
 class GatedAttention(nn.Module):

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from kiln_train.memory_formulas import segment_layer_ranges
+from kiln_train.plan.formulas import segment_layer_ranges
 
 
 def segment_bounds(num_layers: int, num_segments: int) -> list[tuple[int, int]]:

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln_train.model.config import Qwen35Config
 from kiln_train.model.delta_rule import CHUNK_SIZE, IMPL_AUTO, gated_delta_rule, resolve_impl
 from kiln_train.model.linear import FrozenLinear
 from kiln_train.model.norms import GatedRMSNorm, compute_dtype
-from kiln_train.model_config import Qwen35Config
 
 
 @dataclass

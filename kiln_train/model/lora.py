@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kiln_train.model.config import Projection
 from kiln_train.model.linear import FrozenLinear
-from kiln_train.model_config import Projection
 
 LORA_INIT_ALGORITHM = "kiln-py.seeded-lora-init.v1"
 PEFT_KEY_PREFIX = "base_model.model.model."

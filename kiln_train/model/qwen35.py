@@ -18,13 +18,13 @@ from torch import nn
 
 from kiln_train.model.attention import GatedAttention
 from kiln_train.model.checkpointing import run_layers
+from kiln_train.model.config import LINEAR_ATTENTION, Qwen35Config
 from kiln_train.model.delta_rule import IMPLS, resolve_impl
 from kiln_train.model.gdn import GatedDeltaNet
 from kiln_train.model.linear import FrozenLinear
 from kiln_train.model.mlp import SwiGLU
 from kiln_train.model.norms import OffsetRMSNorm
 from kiln_train.model.rope import rope_tables
-from kiln_train.model_config import LINEAR_ATTENTION, Qwen35Config
 
 
 class FrozenEmbedding(nn.Module):

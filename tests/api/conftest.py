@@ -23,7 +23,7 @@ from sqlalchemy import func, select
 from api import create_app
 from kiln.settings import Settings
 from kiln.store import Base, make_engine, register_runner, session_factory
-from tests.kiln.test_store_support import BACKENDS, clear_tables, migrated_database
+from tests.kiln.store.test_store_support import BACKENDS, clear_tables, migrated_database
 
 REDIS_URL = "redis://127.0.0.1:6379/11"
 RUNNER_ID = "runner-test"
@@ -32,7 +32,7 @@ RUNNER_ID = "runner-test"
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, qwen_tokenizer) -> Path:
     """A complete tiny random Qwen3.5 checkpoint with the real tokenizer."""
-    from kiln_train.tiny import write_tiny_checkpoint
+    from kiln_train.model.tiny import write_tiny_checkpoint
 
     return write_tiny_checkpoint(
         tmp_path_factory.mktemp("tiny-model"), preset="tiny", tokenizer=qwen_tokenizer
@@ -42,7 +42,7 @@ def tiny_model_dir(tmp_path_factory, qwen_tokenizer) -> Path:
 @pytest.fixture(scope="session")
 def runner_kwargs(tiny_model_dir) -> dict[str, Any]:
     """What a real worker writes into `runners` for the tiny model (worker.runner)."""
-    from kiln_train.resident import load_resident
+    from kiln_train.model.resident import load_resident
     from worker.runner import runner_registration
 
     kwargs = runner_registration(load_resident(tiny_model_dir))
@@ -168,8 +168,8 @@ def write_base_adapter(path: Path, model_config: dict, rank: int = 4, alpha: flo
     import torch
     from safetensors.torch import save_file
 
-    from kiln_train.adapter import expected_shapes
-    from kiln_train.model_config import LORA_TARGET_MODULES, parse_config
+    from kiln_train.artifacts.adapter import expected_shapes
+    from kiln_train.model.config import LORA_TARGET_MODULES, parse_config
 
     path.mkdir(parents=True, exist_ok=True)
     shapes = expected_shapes(parse_config(model_config), rank)

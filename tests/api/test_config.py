@@ -90,7 +90,7 @@ def test_serving_profile_and_boundary_policy_are_reported(client, path):
 
 
 def test_the_reported_boundary_policy_is_the_one_checkpoints_bind():
-    from kiln_train.memory_formulas import checkpoint_boundary_policy
+    from kiln_train.plan.formulas import checkpoint_boundary_policy
 
     assert checkpoint_boundary_policy() == POLICY
     first = checkpoint_boundary_policy()

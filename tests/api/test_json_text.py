@@ -9,7 +9,7 @@ import random
 import pytest
 
 from api.json_text import DECODER, canonical_sha256, loads
-from kiln_train.provenance import json_sha256
+from kiln_train.artifacts.provenance import json_sha256
 
 
 def _outcome(fn, text: str):

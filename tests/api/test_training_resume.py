@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from kiln.store import Admission, Job
-from kiln_train.backend import backend_for_device
 from kiln_train.checkpoint import ADAPTER_FILE, epoch_order, publish_checkpoint, sft_manifest_draft
+from kiln_train.plan.backend import backend_for_device
 from kiln_train.sft_config import SftConfig
 from tests.api.conftest import example, snapshot
-from tests.kiln_train.test_checkpoint_support import artifacts, auxiliary_state
+from tests.kiln_train.checkpoint.test_checkpoint_support import artifacts, auxiliary_state
 
 ROWS = 5  # the checkpoint test support's loop state is built for 5 items
 STEP = 3

@@ -350,7 +350,7 @@ def test_output_name_accepts_adapter_directory_names(name):
 
 def test_every_name_check_matches_in_full():
     """`^...$` with `re.match` admits a trailing newline; every name check must refuse it."""
-    from kiln_train.adapter import check_adapter_name
+    from kiln_train.artifacts.adapter import check_adapter_name
     from kiln_train.checkpoint.errors import CheckpointError
     from kiln_train.checkpoint.manifest import check_identifier
 

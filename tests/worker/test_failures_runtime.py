@@ -400,7 +400,7 @@ def test_killed_before_the_adapter_rename_is_never_completed(
     """A kill inside adapter publication leaves only a hidden staging directory: the job is not
     completed from it, the staging goes at once (its owner is known dead) and the job runs again
     from step 0."""
-    import kiln_train.trainer
+    import kiln_train.train.trainer
 
     name = unique_name("prekill")
     job_id = submit(client, sft_body(2, epochs=1, output_name=name))
@@ -409,7 +409,7 @@ def test_killed_before_the_adapter_rename_is_never_completed(
         (settings.adapters_dir / f".{name}.incomplete-0000").mkdir()
         raise Killed
 
-    monkeypatch.setattr(kiln_train.trainer, "publish_success", killed_mid_publication)
+    monkeypatch.setattr(kiln_train.train.trainer, "publish_success", killed_mid_publication)
     with pytest.raises(Killed):
         runtime.run_job(job_id)
     expire_lease(sessions, job_id)

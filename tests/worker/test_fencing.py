@@ -19,8 +19,8 @@ from sqlalchemy import update
 from kiln import store
 from kiln.store import states
 from kiln.store.models import Job, Runner
-from kiln_train import adapter as adapter_module
 from kiln_train import checkpoint as ckpt
+from kiln_train.artifacts import adapter as adapter_module
 from kiln_train.checkpoint import publish as publish_module
 from tests.api.conftest import sft_body, unique_name
 from tests.worker.test_failures_runtime import checkpoint_names

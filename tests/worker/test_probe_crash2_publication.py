@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln_train import adapter as adapter_module
-from kiln_train.adapter import publish_adapter
+from kiln_train.artifacts import adapter as adapter_module
+from kiln_train.artifacts.adapter import publish_adapter
 from kiln_train.errors import KilnError
 
 

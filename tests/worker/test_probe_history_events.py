@@ -18,7 +18,7 @@ from kiln.store import (
     states,
 )
 from kiln_train.errors import TRAINING_JOB_NOT_FOUND, KilnError
-from tests.kiln.test_store_support import BACKENDS, admit, migrated_database
+from tests.kiln.store.test_store_support import BACKENDS, admit, migrated_database
 
 
 @pytest.fixture(params=BACKENDS)

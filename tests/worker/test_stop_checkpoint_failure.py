@@ -12,7 +12,7 @@ import errno
 
 import kiln_train.checkpoint as ckpt
 from tests.api.conftest import sft_body, unique_name
-from tests.kiln_train import trainer_fixtures as fx
+from tests.kiln_train.train import trainer_fixtures as fx
 from tests.worker.test_runtime import event_kinds, job_row, submit
 
 
@@ -67,7 +67,7 @@ def test_a_warm_shutdown_whose_checkpoint_fails_releases_the_job(client, runtime
 
 
 def test_an_adapter_whose_registry_fsync_fails_is_not_left_behind(resident, monkeypatch, tmp_path):
-    import kiln_train.adapter as adapter_io
+    import kiln_train.artifacts.adapter as adapter_io
 
     real = adapter_io.fsync_dir
 

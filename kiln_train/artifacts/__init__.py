@@ -1,0 +1,1 @@
+"""What a run leaves behind and how it is published: PEFT adapters, train receipts, execution provenance and publication fencing (docs/artifacts.md, docs/recovery.md). Torch-free except adapter writing."""

@@ -1,0 +1,496 @@
+"""SFT ingestion: rows in, tokenized rows and the `kiln.sft-ingestion.v1` receipt out (kiln-contract §3).
+
+Every transport reaches one path: parse -> row identity -> role checks -> render (training
+template) -> tokenize -> assistant-only labels -> row checks. No truncation, packing, splitting or
+dedup, ever: one accepted row is one conversation is one sequence.
+
+Transports:
+- inline `examples` (`ingest_examples`): objects from the request body. An example that cannot
+  be deserialised as an SFT example is a transport error (400 `training_invalid_request` naming
+  the field), never a skippable row -- `invalid_json` exists for JSONL only (§3.2).
+- server-local JSONL (`ingest_jsonl`, path from `resolve_dataset_path`): split on `\\n`, strip
+  ASCII whitespace (space, tab, LF, FF, CR); an empty result is a blank line: ignored, not a row,
+  not counted. Every other line is one row, numbered from 1. A row must be UTF-8 JSON text as
+  serde_json reads it: a line that is not UTF-8, starts with a byte-order mark (only ASCII
+  whitespace is trimmed, so a BOM left by an editor makes row 1 `invalid_json`, with a detail that
+  says so), repeats a key inside an object, or nests deeper than 127 arrays/objects is
+  `invalid_json` (`conversation.decode_json`). The last line needs no newline; lines of any
+  length are read whole (nothing is ever truncated).
+
+Rejection reasons, in contract order: `invalid_json`, `empty_messages`, `invalid_role`,
+`tokenization_error` (template failure, span-marker collision, undecodable tool arguments,
+non-text content, a tool result that answers no call, an empty function name, output the template
+would drop (`function_call`, `refusal`), fewer than 2 tokens, or no supervised token at a position
+>= 1; the rules Kiln adds where the contract is silent are listed in `conversation`'s docstring).
+
+Policies: `fail` (the first rejected row rejects the submission: `training_invalid_request`,
+"SFT row <n> (<row_sha256>) rejected as <reason>: <detail>") and `skip` (rejected rows are
+recorded and logged; at least one row must remain). The receipt lives in `ingestion_receipt`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from kiln_train.data.chat_template import (
+    ChatTemplate,
+    RenderedConversation,
+    TemplateRenderError,
+    training_template,
+)
+from kiln_train.data.conversation import (
+    INVALID_JSON,
+    TOKENIZATION_ERROR,
+    RowRejection,
+    RowSchemaError,
+    check_roles,
+    decode_json,
+    parse_example,
+    prepare_for_template,
+    unrenderable_field,
+)
+from kiln_train.data.ingestion_receipt import (
+    INGESTION_SCHEMA,
+    POLICIES,
+    SOURCES,
+    build_ingestion_receipt,
+    validate_ingestion_receipt,
+)
+from kiln_train.data.labels import MASK_CONTRACT, build_labels, token_ranges
+from kiln_train.data.row_identity import (
+    PARSED_ROW_DOMAIN,
+    canonical_json,
+    domain_digest,
+    kept_corpus_sha256,
+    parsed_row_sha256,
+    raw_row_sha256,
+)
+from kiln_train.errors import invalid_request
+
+log = logging.getLogger(__name__)
+
+ASCII_WHITESPACE = b" \t\n\x0c\r"  # Rust's u8::is_ascii_whitespace
+UTF8_BOM = b"\xef\xbb\xbf"
+CHUNK_ROWS = 256  # rows rendered, then tokenized together with encode_batch
+
+__all__ = [
+    "INGESTION_SCHEMA",
+    "MASK_CONTRACT",
+    "IngestionResult",
+    "IngestionTimings",
+    "RowOutcome",
+    "apply_invalid_row_policy",
+    "build_ingestion_receipt",
+    "TokenizedRow",
+    "ingest_examples",
+    "ingest_jsonl",
+    "iter_example_outcomes",
+    "iter_jsonl_outcomes",
+    "kept_corpus_sha256",
+    "parsed_row_sha256",
+    "raw_row_sha256",
+    "resolve_dataset_path",
+    "validate_ingestion_receipt",
+]
+
+
+@dataclass(frozen=True)
+class TokenizedRow:
+    """One accepted row: token ids and aligned labels (-100 where not supervised)."""
+
+    row_index: int
+    row_sha256: str
+    input_ids: list[int]
+    labels: list[int]
+    supervised_tokens: int  # supervised targets at positions >= 1
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass(frozen=True)
+class RowOutcome:
+    """What happened to one non-blank row: `tokenized` when kept, `reason`/`detail` when rejected."""
+
+    row_index: int
+    row_sha256: str
+    tokenized: TokenizedRow | None = None
+    rendered: RenderedConversation | None = None
+    reason: str | None = None
+    detail: str | None = None
+
+    @property
+    def kept(self) -> bool:
+        return self.tokenized is not None
+
+
+@dataclass(frozen=True)
+class IngestionResult:
+    receipt: dict
+    rows: list[TokenizedRow]
+    max_seq_len: int
+    max_supervised_tokens: int
+    total_tokens: int
+    total_supervised_tokens: int
+
+
+@dataclass
+class IngestionTimings:
+    """Seconds spent per stage (pass one in to measure; the benchmark prints it)."""
+
+    parse_hash: float = 0.0
+    render: float = 0.0
+    tokenize: float = 0.0
+    label: float = 0.0
+
+
+# --------------------------------------------------------------------------- sources
+
+
+@dataclass(frozen=True)
+class _SourceRow:
+    """A non-blank row before checks: a decoded object (and, for inline rows, its parsed form),
+    or the raw line and why it did not parse."""
+
+    row_index: int
+    obj: object = None
+    raw: bytes | None = None
+    parse_error: str | None = None
+    parsed: tuple[dict, str, str | None] | None = None  # _parse's result, already checked
+
+
+def resolve_dataset_path(dataset_path: str, datasets_root: Path) -> Path:
+    """The file a `dataset_path` names, which must be a regular file inside `datasets_root`.
+
+    Relative paths are relative to `datasets_root`; absolute paths must point inside it. `..`
+    segments are refused outright, and the fully resolved path (symlinks followed) must stay
+    inside the resolved root.
+    """
+    if not isinstance(dataset_path, str) or not dataset_path.strip():
+        raise invalid_request("dataset_path must not be blank")
+    if "\0" in dataset_path:
+        raise invalid_request("dataset_path must not contain NUL bytes")
+    candidate = Path(dataset_path)
+    if ".." in candidate.parts:
+        raise invalid_request(f"dataset_path {dataset_path!r} must not contain '..' segments")
+    try:
+        root = Path(datasets_root).resolve(strict=True)
+    except OSError:
+        raise invalid_request(
+            f"dataset_path {dataset_path!r}: the server's datasets directory {datasets_root} does not exist"
+        ) from None
+    full = candidate if candidate.is_absolute() else root / candidate
+    if candidate.is_absolute() and not (
+        full.is_relative_to(root) or full.is_relative_to(Path(os.path.abspath(datasets_root)))
+    ):
+        raise invalid_request(f"dataset_path {dataset_path!r} is outside the server's datasets directory")
+    try:
+        resolved = full.resolve(strict=True)
+    except (OSError, RuntimeError):
+        raise invalid_request(
+            f"dataset_path {dataset_path!r} does not exist under the datasets directory"
+        ) from None
+    if not resolved.is_relative_to(root):
+        raise invalid_request(
+            f"dataset_path {dataset_path!r} resolves outside the server's datasets directory"
+        )
+    if not resolved.is_file():
+        raise invalid_request(f"dataset_path {dataset_path!r} is not a regular file")
+    return resolved
+
+
+def _jsonl_rows(path: Path) -> Iterator[_SourceRow]:
+    index = 0
+    with open(path, "rb") as f:
+        for raw_line in f:
+            line = raw_line.strip(ASCII_WHITESPACE)
+            if not line:
+                continue
+            index += 1
+            problem = _undecodable(line)
+            if problem is not None:
+                yield _SourceRow(index, raw=line, parse_error=problem)
+                continue
+            try:
+                obj = decode_json(line.decode("utf-8"))
+            except ValueError as exc:
+                yield _SourceRow(index, raw=line, parse_error=f"not valid JSON: {exc}")
+                continue
+            yield _SourceRow(index, obj=obj, raw=line)
+
+
+def _undecodable(line: bytes) -> str | None:
+    """Why a trimmed line is not UTF-8 JSON text at the byte level, or None."""
+    if line.startswith(UTF8_BOM):
+        return (
+            "not valid JSON: the line starts with a UTF-8 byte-order mark (U+FEFF); "
+            "JSONL rows are plain UTF-8 JSON (save the file as UTF-8 without BOM)"
+        )
+    try:
+        line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"not valid JSON: invalid UTF-8 byte 0x{line[exc.start]:02x} at byte {exc.start} of the line"
+    return None
+
+
+def _parse(obj) -> tuple[dict, str]:
+    """(parsed row, canonical JSON, unrenderable field detail or None); RowSchemaError when `obj`
+    is not an SFT example."""
+    parsed = parse_example(obj)
+    try:
+        canonical = canonical_json(parsed)
+        canonical.encode("utf-8")  # lone surrogates cannot be hashed (nor sent by a JSON encoder)
+    except (TypeError, ValueError) as exc:  # TypeError: a Python caller's non-JSON value or key
+        raise RowSchemaError("example", f"not representable as JSON: {exc}") from None
+    return parsed, canonical, unrenderable_field(obj)
+
+
+def _example_rows(examples: list, t: IngestionTimings) -> list[_SourceRow]:
+    """Inline examples are one request body: every example must deserialise before any row is
+    processed, so a malformed example is reported as the transport error it is (kiln-contract §3.2)."""
+    t0 = time.perf_counter()
+    rows = []
+    for i, obj in enumerate(examples):
+        try:
+            rows.append(_SourceRow(i + 1, parsed=_parse(obj)))
+        except RowSchemaError as exc:
+            raise invalid_request(f"examples[{i}]: {exc.detail}") from None
+    t.parse_hash += time.perf_counter() - t0
+    return rows
+
+
+# --------------------------------------------------------------------------- the row pipeline
+
+
+@dataclass
+class _Pending:
+    row_index: int
+    row_sha256: str
+    rendered: RenderedConversation
+
+
+def _front(row: _SourceRow, template: ChatTemplate, t: IngestionTimings):
+    """Parse, hash, check and render one row: a RowOutcome (rejected) or a _Pending (rendered)."""
+    t0 = time.perf_counter()
+    if row.parse_error is not None:
+        t.parse_hash += time.perf_counter() - t0
+        return RowOutcome(row.row_index, raw_row_sha256(row.raw), reason=INVALID_JSON, detail=row.parse_error)
+    try:
+        parsed, canonical, unrenderable = row.parsed if row.parsed is not None else _parse(row.obj)
+    except RowSchemaError as exc:
+        t.parse_hash += time.perf_counter() - t0
+        return RowOutcome(row.row_index, raw_row_sha256(row.raw), reason=INVALID_JSON, detail=exc.detail)
+    row_sha = domain_digest(PARSED_ROW_DOMAIN, canonical.encode("utf-8"))
+    try:
+        check_roles(parsed)
+        if unrenderable is not None:
+            raise RowRejection(TOKENIZATION_ERROR, unrenderable)
+        conversation = prepare_for_template(parsed, canonical)
+    except RowRejection as exc:
+        t.parse_hash += time.perf_counter() - t0
+        return RowOutcome(row.row_index, row_sha, reason=exc.reason, detail=exc.detail)
+    t1 = time.perf_counter()
+    t.parse_hash += t1 - t0
+    try:
+        rendered = template.render(conversation.messages, conversation.tools)
+    except TemplateRenderError as exc:
+        t.render += time.perf_counter() - t1
+        return RowOutcome(row.row_index, row_sha, reason=TOKENIZATION_ERROR, detail=f"chat template: {exc}")
+    t.render += time.perf_counter() - t1
+    return _Pending(row.row_index, row_sha, rendered)
+
+
+def _encode_all(tokenizer, texts: list[str]) -> list:
+    """Encodings of `texts`, batched; a text the tokenizer refuses gets its error message instead.
+
+    The normaliser keeps text the tokenizer cannot take out of rendering, so the per-row retry is a
+    backstop: one row must never take down the rows batched with it (kiln-contract §3.2 step 4:
+    a tokenizer failure is that row's `tokenization_error`).
+    """
+    try:
+        return tokenizer.encode_batch(texts, add_special_tokens=False)
+    except Exception:  # noqa: BLE001 - retried row by row below, each failure named
+        pass
+    out: list = []
+    for text in texts:
+        try:
+            (enc,) = tokenizer.encode_batch([text], add_special_tokens=False)
+        except Exception as exc:  # noqa: BLE001 - a tokenizer failure is the row's rejection
+            enc = f"{type(exc).__name__}: {exc}"
+        out.append(enc)
+    return out
+
+
+def _back(pending: list[_Pending], tokenizer, t: IngestionTimings) -> list[RowOutcome]:
+    """Tokenize rendered rows together, label them and apply the token-level row checks."""
+    if not pending:
+        return []
+    t0 = time.perf_counter()
+    encodings = _encode_all(tokenizer, [p.rendered.text for p in pending])
+    t1 = time.perf_counter()
+    t.tokenize += t1 - t0
+    out = []
+    for p, enc in zip(pending, encodings, strict=True):
+        if isinstance(enc, str):
+            problem: str | None = f"tokenizer: {enc}"
+        elif len(enc.ids) < 2:
+            problem = f"the rendered conversation has {len(enc.ids)} token(s); at least 2 are required"
+        else:
+            problem = None
+        if problem is not None:
+            out.append(
+                RowOutcome(
+                    p.row_index, p.row_sha256, rendered=p.rendered, reason=TOKENIZATION_ERROR, detail=problem
+                )
+            )
+            continue
+        ids = enc.ids
+        labels = build_labels(ids, token_ranges(enc, p.rendered.spans))
+        if labels.supervised_tokens == 0:
+            out.append(
+                RowOutcome(
+                    p.row_index,
+                    p.row_sha256,
+                    rendered=p.rendered,
+                    reason=TOKENIZATION_ERROR,
+                    detail="no supervised assistant token at a position >= 1 (nothing to learn after the causal shift)",
+                )
+            )
+            continue
+        row = TokenizedRow(p.row_index, p.row_sha256, ids, labels.labels, labels.supervised_tokens)
+        out.append(RowOutcome(p.row_index, p.row_sha256, tokenized=row, rendered=p.rendered))
+    t.label += time.perf_counter() - t1
+    return out
+
+
+def _outcomes(
+    rows: Iterable[_SourceRow],
+    tokenizer,
+    template: ChatTemplate | None,
+    timings: IngestionTimings,
+) -> Iterator[RowOutcome]:
+    template = template or training_template()
+    chunk: list[RowOutcome | _Pending] = []
+
+    def flush() -> list[RowOutcome]:
+        pending = [c for c in chunk if isinstance(c, _Pending)]
+        done = iter(_back(pending, tokenizer, timings))
+        return [next(done) if isinstance(c, _Pending) else c for c in chunk]
+
+    for row in rows:
+        chunk.append(_front(row, template, timings))
+        if len(chunk) >= CHUNK_ROWS:
+            yield from flush()
+            chunk = []
+    yield from flush()
+
+
+def iter_example_outcomes(
+    examples: list,
+    *,
+    tokenizer,
+    template: ChatTemplate | None = None,
+    timings: IngestionTimings | None = None,
+) -> Iterator[RowOutcome]:
+    """Every inline example's outcome in order (no policy applied).
+
+    Raises `training_invalid_request` at once when any example cannot be deserialised.
+    """
+    timings = timings or IngestionTimings()
+    return _outcomes(_example_rows(list(examples), timings), tokenizer, template, timings)
+
+
+def iter_jsonl_outcomes(
+    path: Path, *, tokenizer, template: ChatTemplate | None = None, timings: IngestionTimings | None = None
+) -> Iterator[RowOutcome]:
+    """Every non-blank JSONL row's outcome in order (no policy applied)."""
+    return _outcomes(_jsonl_rows(Path(path)), tokenizer, template, timings or IngestionTimings())
+
+
+# --------------------------------------------------------------------------- policy and receipt
+
+
+def apply_invalid_row_policy(
+    outcomes: Iterable[RowOutcome], policy: str, source: str, source_locator: str | None
+) -> IngestionResult:
+    """Apply `fail`/`skip` to row outcomes in order and build the receipt (kiln-contract §3.3)."""
+    if policy not in POLICIES:
+        raise invalid_request(f"invalid_row_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if source not in SOURCES:
+        raise ValueError(f"unknown SFT source {source!r}")
+    rows: list[TokenizedRow] = []
+    rejected: list[dict] = []
+    read = 0
+    for outcome in outcomes:
+        read += 1
+        if outcome.kept:
+            rows.append(outcome.tokenized)
+            continue
+        message = f"SFT row {outcome.row_index} ({outcome.row_sha256}) rejected as {outcome.reason}: {outcome.detail}"
+        if policy == "fail":
+            raise invalid_request(message)
+        log.warning("skipping %s", message)
+        rejected.append(
+            {"row_index": outcome.row_index, "row_sha256": outcome.row_sha256, "reason": outcome.reason}
+        )
+    if not rows:
+        raise invalid_request(
+            f"SFT corpus contains no trainable rows: read {read} row(s), rejected {len(rejected)} "
+            f"(invalid_row_policy {policy})"
+        )
+    receipt = build_ingestion_receipt(
+        source, source_locator, policy, read, [r.row_sha256 for r in rows], rejected
+    )
+    return IngestionResult(
+        receipt=receipt,
+        rows=rows,
+        max_seq_len=max(r.seq_len for r in rows),
+        max_supervised_tokens=max(r.supervised_tokens for r in rows),
+        total_tokens=sum(r.seq_len for r in rows),
+        total_supervised_tokens=sum(r.supervised_tokens for r in rows),
+    )
+
+
+def ingest_examples(
+    examples: list,
+    *,
+    tokenizer,
+    template: ChatTemplate | None = None,
+    policy: str = "fail",
+    source: str = "inline",
+    source_locator: str | None = None,
+    timings: IngestionTimings | None = None,
+) -> IngestionResult:
+    """Ingest inline examples (request `examples`, or rows another source already holds as objects)."""
+    if not isinstance(examples, list):
+        raise invalid_request("examples must be an array of example objects")
+    outcomes = iter_example_outcomes(examples, tokenizer=tokenizer, template=template, timings=timings)
+    return apply_invalid_row_policy(outcomes, policy, source, source_locator)
+
+
+def ingest_jsonl(
+    path: Path,
+    *,
+    tokenizer,
+    template: ChatTemplate | None = None,
+    policy: str = "fail",
+    source: str = "dataset_path",
+    source_locator: str | None = None,
+    timings: IngestionTimings | None = None,
+) -> IngestionResult:
+    """Ingest a JSONL file (already resolved with `resolve_dataset_path` when it came from a request).
+
+    `source_locator` is what the receipt names (the request's `dataset_path`); default: the path.
+    """
+    locator = source_locator if source_locator is not None else str(path)
+    outcomes = iter_jsonl_outcomes(path, tokenizer=tokenizer, template=template, timings=timings)
+    try:
+        return apply_invalid_row_policy(outcomes, policy, source, locator)
+    except OSError as exc:
+        raise invalid_request(f"cannot read dataset {locator!r}: {exc.strerror or exc}") from None

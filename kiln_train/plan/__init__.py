@@ -1,0 +1,1 @@
+"""What a job will cost and how it runs, decided before any GPU work: the memory estimate and its formulas, gradient-checkpoint segment planning, the training budget, the optimizer capability report and the backend facts (docs/memory.md, docs/optimizers.md). Torch-free."""

@@ -1,0 +1,1 @@
+"""Hardware qualification workloads that produce committed receipts (qualification/README.md)."""
