@@ -24,8 +24,9 @@ from api import create_app
 from kiln.settings import Settings
 from kiln.store import Base, make_engine, register_runner, session_factory
 from tests.kiln.store.test_store_support import BACKENDS, clear_tables, migrated_database
+from tests.services import redis_url
 
-REDIS_URL = "redis://127.0.0.1:6379/11"
+REDIS_URL = redis_url(11)
 RUNNER_ID = "runner-test"
 
 

@@ -27,6 +27,7 @@ from click.testing import CliRunner
 
 from kiln.cli.main import cli
 from kiln.settings import load_settings
+from tests.services import redis_url
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -180,7 +181,7 @@ def test_flower_starts_with_the_stack_config(tmp_path):
     )
     env = {
         **os.environ,
-        "KILN_QUEUE_BROKER_URL": "redis://127.0.0.1:6379/14",
+        "KILN_QUEUE_BROKER_URL": redis_url(14),
         "FLOWER_BASIC_AUTH": "admin:secret",
     }
     celery = Path(sys.executable).with_name("celery")

@@ -14,8 +14,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from tests.services import redis_url
+
 KILN = [sys.executable, "-m", "kiln.cli.main"]
-REDIS_E2E = "redis://127.0.0.1:6379/13"
+REDIS_E2E = redis_url(13)
 
 
 def free_port() -> int:

@@ -28,12 +28,13 @@ from kiln.store.models import Adapter, Checkpoint
 from kiln_train.train.support import FAILED_RECEIPTS_DIR
 from tests.api.conftest import sft_body, unique_name
 from tests.kiln.store.test_store_support import fresh_postgres_database
+from tests.services import redis_url
 from tests.worker.stack import Stack
 from worker.reconciler import _HIDDEN_WORK
 
 pytestmark = pytest.mark.slow
 
-REDIS_CHAOS = "redis://127.0.0.1:6379/15"
+REDIS_CHAOS = redis_url(15)
 EVENTS = 22
 LEASE, STALE = 6, 10  # the Stack's lease and runner-stale seconds
 BODIES = [

@@ -21,11 +21,12 @@ import redis
 
 from tests.api.conftest import sft_body, unique_name
 from tests.kiln.store.test_store_support import fresh_postgres_database
+from tests.services import redis_url
 from tests.worker.stack import Stack
 
 pytestmark = pytest.mark.slow
 
-REDIS_RECOVERY = "redis://127.0.0.1:6379/14"
+REDIS_RECOVERY = redis_url(14)
 RECONCILE_SECONDS = 2.0  # the Stack's KILN_TRAINING_RECONCILE_INTERVAL_SECONDS
 
 
