@@ -34,6 +34,7 @@ from api.queries import active_jobs_for_adapter, admission_summaries
 from api.resume_gate import ResumePoint, adopt_checkpoint_fields, check_resume_identity, load_resume_point
 from api.runner_gate import RunnerTarget, check_static_gates, check_training_template, runner_target
 from api.services import Services
+from kiln.broker import publish_job
 from kiln.store import (
     Admission,
     IdempotencyKeyTaken,
@@ -285,8 +286,6 @@ def plan_sft(svc: Services, request: SftRequest) -> _Plan:
 
 def publish(svc: Services, job_id: str) -> bool:
     """Ring the doorbell and record it; a broker failure leaves the job for the reconciler."""
-    from worker.celery_app import publish_job
-
     try:
         publish_job(svc.celery, job_id, svc.settings.queue.queue_name)
     except Exception:

@@ -21,7 +21,7 @@ MIB = 1 << 20
 def create_app(settings: Settings | None = None, *, celery=None) -> Flask:
     """Build the api for `settings` (default: the process's kiln.toml / KILN_* settings).
 
-    `celery` is the broker client to publish through (default: `worker.celery_app.make_celery`).
+    `celery` is the broker client to publish through (default: `kiln.broker.make_broker_client`).
     """
     if settings is None:
         from kiln.settings import load_settings

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.admission_slots import AdmissionSlots
 from api.metrics import Metrics
 from api.tokenizer_cache import PROCESS_TOKENIZERS, TokenizerCache
+from kiln.broker import make_broker_client
 from kiln.settings import Settings
 from kiln.store import make_engine, session_factory
 
@@ -25,7 +26,7 @@ class Services:
     settings: Settings
     engine: Engine
     sessions: sessionmaker[Session]
-    celery: Any  # celery.Celery, imported lazily by create_app
+    celery: Any  # celery.Celery: the broker client (kiln.broker.make_broker_client)
     admission_slots: AdmissionSlots  # submissions validated and tokenized at once, server-wide
     tokenizers: TokenizerCache = field(default_factory=lambda: PROCESS_TOKENIZERS)
     metrics: Metrics = field(default_factory=Metrics)
@@ -43,9 +44,7 @@ def build_services(settings: Settings, celery: Any | None = None) -> Services:
     settings.ensure_dirs()
     engine = make_engine(settings.database_url, echo=settings.database.echo)
     if celery is None:
-        from worker.celery_app import make_celery
-
-        celery = make_celery(settings)
+        celery = make_broker_client(settings)
     return Services(
         settings=settings,
         engine=engine,

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from celery import Celery, Task
 from celery.exceptions import Reject
 from sqlalchemy import exc as sa_exc
 
-from worker.celery_app import TRAIN_SFT_TASK, celery_app
+from kiln.broker import TRAIN_SFT_TASK
 
 # The job store stayed unreachable through the runtime's own retries: ring the doorbell again
 # later. Acknowledging the failure instead would lose it, and a published queued row is not
@@ -22,15 +23,20 @@ def install_runtime(runtime) -> None:
     _RUNTIME = runtime
 
 
-@celery_app.task(bind=True, name=TRAIN_SFT_TASK, ignore_result=True, acks_late=True, max_retries=None)
-def train_sft_task(self, job_id: str) -> str:
+def train_sft(task: Task, job_id: str) -> str:
+    """Run one delivery of `job_id` on the installed runtime (bound: `task` is the Celery task)."""
     if _RUNTIME is None:
         raise RuntimeError("no resident runtime in this process; start workers with `kiln worker`")
     try:
         outcome = _RUNTIME.run_job(job_id)
     except STORE_DOWN_ERRORS as exc:
-        raise self.retry(exc=exc, countdown=STORE_DOWN_RETRY_SECONDS) from exc
+        raise task.retry(exc=exc, countdown=STORE_DOWN_RETRY_SECONDS) from exc
     if outcome == "deferred":
         # Shutting down: hand the message back unacknowledged for the next worker to take.
         raise Reject(f"worker shutting down; job {job_id} left queued", requeue=True)
     return outcome
+
+
+def register_tasks(app: Celery) -> None:
+    """Register the training task on `app` under its published name."""
+    app.task(bind=True, name=TRAIN_SFT_TASK, ignore_result=True, acks_late=True, max_retries=None)(train_sft)

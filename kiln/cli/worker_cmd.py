@@ -56,7 +56,7 @@ def run_worker(settings) -> None:
     from kiln_train.model.resident import load_resident
     from kiln_train.plan.memory import apply_cpu_allocator_policy
     from kiln_train.train.support import warm_up
-    from worker.celery_app import celery_app, celery_config
+    from worker.celery_app import make_celery
     from worker.runtime import WorkerRuntime
     from worker.tasks import install_runtime
 
@@ -91,7 +91,7 @@ def run_worker(settings) -> None:
     click.echo(
         f"model resident in {time.perf_counter() - t0:.1f}s; identity {resident.execution_identity_digest}"
     )
-    celery_app.conf.update(celery_config(settings))
+    celery_app = make_celery(settings)
     runtime = WorkerRuntime(settings, resident, celery=celery_app)
     install_runtime(runtime)
     runtime.start()

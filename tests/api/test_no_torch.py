@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -48,3 +49,25 @@ def test_app_factory_and_requests_do_not_import_torch(tmp_path, runner_kwargs, b
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == []
     assert broker.depth() == 1  # the admission was published
+
+
+def test_importing_the_api_imports_neither_the_worker_nor_torch_and_reads_no_settings(tmp_path):
+    """The api publishes through `kiln.broker`; the Celery app is built only from settings given
+    to `make_celery`, so a broken KILN_CONFIG cannot break an import."""
+    script = textwrap.dedent(
+        f"""
+        import json, sys
+        import api.app
+        from kiln.settings import Settings
+        api.app.create_app(Settings.model_validate({{"storage": {{"root": {str(tmp_path)!r}}}}}))
+        loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("worker", "torch"))
+        import worker.celery_app, worker.tasks  # the factory module reads no settings either
+        print(json.dumps(loaded))
+        """
+    )
+    env = {**os.environ, "KILN_CONFIG": str(tmp_path / "missing" / "kiln.toml")}
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == []

@@ -186,7 +186,7 @@ def test_flower_starts_with_the_stack_config(tmp_path):
     }
     celery = Path(sys.executable).with_name("celery")
     proc = subprocess.Popen(
-        [str(celery), "-A", "worker.celery_app", "flower", f"--conf={conf}"],
+        [str(celery), "-A", "worker.celery_entry", "flower", f"--conf={conf}"],
         env=env,
         cwd=ROOT,
         stdout=subprocess.DEVNULL,

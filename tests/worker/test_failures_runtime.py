@@ -152,8 +152,10 @@ def test_a_long_store_outage_mid_run_leaves_the_job_to_be_resumed(client, runtim
 def test_store_down_at_dequeue_rings_the_doorbell_again(client, runtime, sessions, broker, flaky):
     """The task used to fail and be acknowledged: the published `queued` row then waited forever
     (the reconciler only republishes rows that were never published)."""
-    from worker.tasks import install_runtime, train_sft_task
+    from kiln.broker import TRAIN_SFT_TASK
+    from worker.tasks import install_runtime
 
+    train_sft_task = runtime.celery.tasks[TRAIN_SFT_TASK]
     job_id = submit(client, sft_body(1, output_name=unique_name("down")))
     flaky.fail_before = 8  # two whole deliveries find the store unreachable
     install_runtime(runtime)
@@ -171,8 +173,10 @@ def test_a_doorbell_during_shutdown_is_handed_back_unclaimed(client, runtime, se
     released), run one step, checkpoint and release it again."""
     from celery.exceptions import Reject
 
-    from worker.tasks import install_runtime, train_sft_task
+    from kiln.broker import TRAIN_SFT_TASK
+    from worker.tasks import install_runtime
 
+    train_sft_task = runtime.celery.tasks[TRAIN_SFT_TASK]
     job_id = submit(client, sft_body(1, output_name=unique_name("shut")))
     runtime.shutdown.set()
     assert runtime.run_job(job_id) == "deferred"
