@@ -1,24 +1,37 @@
-"""The `kiln` command: one entry point, one subcommand module per room."""
+"""The `kiln` command: one entry point, one subcommand module per area (`kiln/cli/*_cmd.py`)."""
 
 from __future__ import annotations
 
-import importlib
 import logging
 
 import click
 
-# Each module defines `register(group)`; modules stay torch-free at import time.
+# Each module defines `register(group)` and stays torch-free at import time. Imported by name so
+# that a renamed or missing module fails at start-up instead of silently dropping its commands.
+from kiln.cli import (
+    client_cmd,
+    config_cmd,
+    data_cmd,
+    demo_cmd,
+    model_cmd,
+    qualify_cmd,
+    service_cmd,
+    tokenizer_cmd,
+    up_cmd,
+    worker_cmd,
+)
+
 COMMAND_MODULES = (
-    "kiln.cli.config_cmd",
-    "kiln.cli.tokenizer_cmd",
-    "kiln.cli.data_cmd",
-    "kiln.cli.model_cmd",
-    "kiln.cli.qualify_cmd",
-    "kiln.cli.service_cmd",
-    "kiln.cli.worker_cmd",
-    "kiln.cli.client_cmd",
-    "kiln.cli.demo_cmd",
-    "kiln.cli.up_cmd",
+    config_cmd,
+    tokenizer_cmd,
+    data_cmd,
+    model_cmd,
+    qualify_cmd,
+    service_cmd,
+    worker_cmd,
+    client_cmd,
+    demo_cmd,
+    up_cmd,
 )
 
 
@@ -36,13 +49,7 @@ def cli(verbose: bool) -> None:
 
 
 def _register_all() -> None:
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name:  # room not built yet
-                continue
-            raise
+    for module in COMMAND_MODULES:
         module.register(cli)
 
 
