@@ -369,7 +369,7 @@ def _path_parameters(path: str) -> list[dict]:
 
 
 def _raw_schema(media_type: str) -> dict:
-    # A file served as it is on disk: JSON files are objects (views.read_json_file checks it).
+    # A file served as it is on disk: JSON files are objects (serializers.read_json_file checks it).
     if media_type == "application/json":
         return {"type": "object"}
     return {"type": "string", "format": "binary"}

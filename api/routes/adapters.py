@@ -21,8 +21,9 @@ from api.archive import stream_tar_gz
 from api.errors import INTERNAL_ERROR, ApiError
 from api.http import json_response, services
 from api.queries import active_jobs_for_adapter, jobs_warm_starting_from
-from api.views import RECEIPT_FILE, adapter_info, read_json_file
+from api.serializers import adapter_info, read_json_file
 from kiln.store import delete_adapter, get_adapter, list_adapters
+from kiln_train.artifacts.adapter import TRAIN_RECEIPT
 from kiln_train.checkpoint import CHECKPOINT_SUFFIX
 from kiln_train.errors import ADAPTER_ACTIVE, ADAPTER_NOT_FOUND, INVALID_ADAPTER_NAME, KilnError
 
@@ -91,16 +92,16 @@ def download(name: str) -> Response:
 def receipt(name: str) -> Response:
     """The adapter's `train_receipt.json`, as written by the trainer."""
     adapter = _require_adapter(name)
-    path = Path(adapter.path) / RECEIPT_FILE
+    path = Path(adapter.path) / TRAIN_RECEIPT
     value, error = read_json_file(path)
     if value is None:
-        raise KilnError(ADAPTER_NOT_FOUND, error or f"adapter {name!r} has no {RECEIPT_FILE}")
+        raise KilnError(ADAPTER_NOT_FOUND, error or f"adapter {name!r} has no {TRAIN_RECEIPT}")
     # Served from what was parsed (one read: the file may go between two), as strict JSON.
     try:
         body = json.dumps(value, ensure_ascii=False, allow_nan=False, indent=2)
     except ValueError:
         raise ApiError(
-            INTERNAL_ERROR, f"adapter {name!r}: {RECEIPT_FILE} holds NaN or Infinity, which is not JSON"
+            INTERNAL_ERROR, f"adapter {name!r}: {TRAIN_RECEIPT} holds NaN or Infinity, which is not JSON"
         ) from None
     return current_app.response_class(body, mimetype="application/json")
 

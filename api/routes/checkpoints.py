@@ -2,7 +2,7 @@
 
 A run that failed or was cancelled publishes no adapter but keeps its checkpoints; this is where
 a client finds what `config.resume_checkpoint` can name. Each is read from its manifest only
-(api.views.checkpoint_summary), never re-hashed.
+(api.serializers.checkpoint_summary), never re-hashed.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from flask import Blueprint, Response, request
 from api.http import json_response, services
 from api.routes.adapters import check_adapter_name
 from api.schemas import CheckpointEntry, CheckpointList
-from api.views import checkpoint_summary
+from api.serializers import checkpoint_summary
 from kiln_train.checkpoint import CHECKPOINT_SUFFIX
 
 bp = Blueprint("checkpoints", __name__)

@@ -7,7 +7,7 @@ from flask import Blueprint, Response
 
 from api import schemas
 from api.http import json_response, services
-from api.views import checkpoint_boundary_policy, runner_summary, serving_profile
+from api.serializers import checkpoint_boundary_policy, runner_summary, serving_profile
 from kiln.redact import redact_url
 from kiln.settings import Settings
 from kiln.store import live_runner, store_now

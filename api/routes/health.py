@@ -16,7 +16,7 @@ from api import schemas
 from api.auth import caller_authenticated
 from api.errors import DATABASE_UNAVAILABLE, ApiError
 from api.http import json_response, services
-from api.views import checkpoint_boundary_policy, runner_summary, serving_profile
+from api.serializers import checkpoint_boundary_policy, runner_summary, serving_profile
 from kiln.store import count_queued, live_runner, store_now
 from kiln_train.plan.optimizer_support import native_training_supported
 

@@ -12,7 +12,7 @@ from api.errors import TRAINING_JOB_ACTIVE, ApiError
 from api.http import json_list_response, json_response, query_int, services
 from api.openapi import MAX_EVENT_ID
 from api.queries import admission_summaries, job_with_summary, queue_position_of
-from api.views import event_out, job_detail, training_status
+from api.serializers import event_out, job_detail, training_status
 from kiln.store import (
     InvalidTransition,
     delete_job,

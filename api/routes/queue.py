@@ -10,7 +10,7 @@ from flask import Blueprint, Response, current_app
 from api import schemas
 from api.http import json_response, services
 from api.queries import admission_summaries
-from api.views import training_status
+from api.serializers import training_status
 from kiln.store import CANCELLED, list_jobs, request_cancel, states, store_now
 
 log = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ from api.admission import admit_sft
 from api.auth import caller_scope
 from api.errors import ADMISSION_BUSY, ApiError, http_error
 from api.http import discard_body, json_body, json_response, services
+from api.serializers import training_response
 from api.services import Services
-from api.views import training_response
 from kiln_train.errors import KilnError
 
 bp = Blueprint("training", __name__)

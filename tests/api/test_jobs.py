@@ -180,7 +180,7 @@ def test_job_detail_reports_a_broken_checkpoint_and_reads_the_receipt_file(
 
 
 def test_loss_history_is_thinned_to_1024_samples_keeping_the_last():
-    from api.views import LOSS_HISTORY_MAX, loss_samples
+    from api.serializers import LOSS_HISTORY_MAX, loss_samples
 
     start = utcnow()
     job = SimpleNamespace(total_steps=3000, started_at=start)

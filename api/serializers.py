@@ -1,4 +1,4 @@
-"""Response shaping: store rows in, contract JSON out (kiln-contract §1.4).
+"""Serializers: store rows in, contract JSON out (kiln-contract §1.4).
 
 Seeds are decimal strings, times are Unix milliseconds or RFC 3339, `started_at` is the
 original's human string ("12s ago").
@@ -16,13 +16,12 @@ from typing import Any
 
 from api import schemas
 from kiln.store import Adapter, Admission, Job, JobEvent, Runner, TrainingStep, states
+from kiln_train.artifacts.adapter import ADAPTER_MANIFEST, TRAIN_RECEIPT
 from kiln_train.checkpoint import CheckpointError, read_checkpoint_manifest
 from kiln_train.plan import formulas as memory_formulas
 
 LOSS_HISTORY_MAX = 1024
 GIB = 1 << 30
-RECEIPT_FILE = "train_receipt.json"
-ADAPTER_MANIFEST_FILE = "adapter_manifest.json"
 
 
 def serving_profile() -> schemas.ServingProfile:
@@ -256,7 +255,7 @@ def job_detail(
 ) -> schemas.TrainingJobDetail:
     receipt, metadata_error = job.receipt, None
     if receipt is None and job.state == states.COMPLETED:
-        receipt, metadata_error = read_json_file(adapters_dir / job.adapter_name / RECEIPT_FILE)
+        receipt, metadata_error = read_json_file(adapters_dir / job.adapter_name / TRAIN_RECEIPT)
     checkpoint, checkpoint_error = (None, None) if latest is None else checkpoint_summary(latest)
     config = admission.effective_config if admission is not None else {}
     return schemas.TrainingJobDetail(
@@ -306,9 +305,9 @@ def runner_summary(runner: Runner | None, now: datetime) -> schemas.RunnerSummar
 
 
 def adapter_info(adapter: Adapter, checkpoints: list[str]) -> schemas.AdapterInfo:
-    manifest, error = read_json_file(Path(adapter.path) / ADAPTER_MANIFEST_FILE)
+    manifest, error = read_json_file(Path(adapter.path) / ADAPTER_MANIFEST)
     if manifest is None and error is None:
-        error = f"{ADAPTER_MANIFEST_FILE} is missing"
+        error = f"{ADAPTER_MANIFEST} is missing"
     return schemas.AdapterInfo(
         name=adapter.name,
         path=adapter.path,
