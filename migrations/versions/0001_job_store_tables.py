@@ -37,7 +37,26 @@ def upgrade() -> None:
     if _is_postgres():
         # Admission order; SQLite has no sequences and takes max(queue_seq) + 1 under its write lock.
         op.execute(sa.schema.CreateSequence(sa.Sequence(QUEUE_SEQ)))
+    _create_runners()
+    _create_training_jobs()
+    _create_adapters()
+    _create_checkpoints()
+    _create_job_events()
+    _create_prepared_sft_admissions()
+    _create_training_steps()
 
+
+def _job_foreign_key(table: str, *, ondelete: str) -> sa.ForeignKeyConstraint:
+    """`<table>.job_id` references `training_jobs.id`."""
+    return sa.ForeignKeyConstraint(
+        ["job_id"],
+        ["training_jobs.id"],
+        name=op.f(f"fk_{table}_job_id_training_jobs"),
+        ondelete=ondelete,
+    )
+
+
+def _create_runners() -> None:
     op.create_table(
         "runners",
         sa.Column("id", sa.String(255), nullable=False),
@@ -65,6 +84,8 @@ def upgrade() -> None:
     )
     op.create_index(op.f("ix_runners_heartbeat_at"), "runners", ["heartbeat_at"])
 
+
+def _create_training_jobs() -> None:
     op.create_table(
         "training_jobs",
         sa.Column("id", sa.String(64), nullable=False),
@@ -123,6 +144,8 @@ def upgrade() -> None:
     op.create_index("ix_training_jobs_state_queue_seq", "training_jobs", ["state", "queue_seq"])
     op.create_index(op.f("ix_training_jobs_submitted_at"), "training_jobs", ["submitted_at"])
 
+
+def _create_adapters() -> None:
     op.create_table(
         "adapters",
         sa.Column("name", sa.String(255), nullable=False),
@@ -135,16 +158,13 @@ def upgrade() -> None:
         sa.Column("alpha", sa.Float(), nullable=False),
         sa.Column("base_model_sha256", sa.String(71), nullable=True),
         sa.Column("deleted_at", TIMESTAMP, nullable=True),
-        sa.ForeignKeyConstraint(
-            ["job_id"],
-            ["training_jobs.id"],
-            name=op.f("fk_adapters_job_id_training_jobs"),
-            ondelete="SET NULL",
-        ),
+        _job_foreign_key("adapters", ondelete="SET NULL"),
         sa.PrimaryKeyConstraint("name", name=op.f("pk_adapters")),
     )
     op.create_index(op.f("ix_adapters_job_id"), "adapters", ["job_id"])
 
+
+def _create_checkpoints() -> None:
     op.create_table(
         "checkpoints",
         sa.Column("job_id", sa.String(64), nullable=False),
@@ -158,16 +178,13 @@ def upgrade() -> None:
         sa.Column("size_bytes", sa.BigInteger(), nullable=False),
         sa.Column("write_ms", sa.Float(), nullable=False),
         sa.Column("created_at", TIMESTAMP, nullable=False),
-        sa.ForeignKeyConstraint(
-            ["job_id"],
-            ["training_jobs.id"],
-            name=op.f("fk_checkpoints_job_id_training_jobs"),
-            ondelete="CASCADE",
-        ),
+        _job_foreign_key("checkpoints", ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("job_id", "checkpoint_id", name=op.f("pk_checkpoints")),
         sa.UniqueConstraint("basename", name=op.f("uq_checkpoints_basename")),
     )
 
+
+def _create_job_events() -> None:
     op.create_table(
         "job_events",
         sa.Column("id", sa.Integer(), autoincrement=True, nullable=False),
@@ -180,17 +197,14 @@ def upgrade() -> None:
         sa.CheckConstraint(
             "level IN ('debug', 'info', 'warning', 'error')", name=op.f("ck_job_events_level")
         ),
-        sa.ForeignKeyConstraint(
-            ["job_id"],
-            ["training_jobs.id"],
-            name=op.f("fk_job_events_job_id_training_jobs"),
-            ondelete="CASCADE",
-        ),
+        _job_foreign_key("job_events", ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_job_events")),
     )
     op.create_index("ix_job_events_job_id_id", "job_events", ["job_id", "id"])
     op.create_index(op.f("ix_job_events_kind"), "job_events", ["kind"])
 
+
+def _create_prepared_sft_admissions() -> None:
     op.create_table(
         "prepared_sft_admissions",
         sa.Column("job_id", sa.String(64), nullable=False),
@@ -219,15 +233,12 @@ def upgrade() -> None:
         sa.CheckConstraint(
             "data_source IN ('examples', 'dataset_path')", name=op.f("ck_prepared_sft_admissions_data_source")
         ),
-        sa.ForeignKeyConstraint(
-            ["job_id"],
-            ["training_jobs.id"],
-            name=op.f("fk_prepared_sft_admissions_job_id_training_jobs"),
-            ondelete="CASCADE",
-        ),
+        _job_foreign_key("prepared_sft_admissions", ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("job_id", name=op.f("pk_prepared_sft_admissions")),
     )
 
+
+def _create_training_steps() -> None:
     op.create_table(
         "training_steps",
         sa.Column("job_id", sa.String(64), nullable=False),
@@ -239,12 +250,7 @@ def upgrade() -> None:
         sa.Column("tokens", sa.Integer(), nullable=False),
         sa.Column("supervised_tokens", sa.Integer(), nullable=False),
         sa.Column("created_at", TIMESTAMP, nullable=False),
-        sa.ForeignKeyConstraint(
-            ["job_id"],
-            ["training_jobs.id"],
-            name=op.f("fk_training_steps_job_id_training_jobs"),
-            ondelete="CASCADE",
-        ),
+        _job_foreign_key("training_steps", ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("job_id", "global_step", name=op.f("pk_training_steps")),
     )
 

@@ -37,6 +37,14 @@ def _seconds_between(start: str, end: str) -> str:
 
 
 def upgrade() -> None:
+    _create_v_job_history()
+    _create_v_loss_curve()
+    _create_v_failures_by_reason()
+    _create_v_throughput_by_rank_optimizer()
+    _create_v_queue()
+
+
+def _create_v_job_history() -> None:
     op.execute(
         f"""
         CREATE VIEW v_job_history AS
@@ -75,6 +83,9 @@ def upgrade() -> None:
         FROM training_jobs j
         """
     )
+
+
+def _create_v_loss_curve() -> None:
     op.execute(
         """
         CREATE VIEW v_loss_curve AS
@@ -93,6 +104,9 @@ def upgrade() -> None:
         JOIN training_jobs j ON j.id = s.job_id
         """
     )
+
+
+def _create_v_failures_by_reason() -> None:
     op.execute(
         """
         CREATE VIEW v_failures_by_reason AS
@@ -105,6 +119,9 @@ def upgrade() -> None:
         GROUP BY j.failure_reason
         """
     )
+
+
+def _create_v_throughput_by_rank_optimizer() -> None:
     op.execute(
         """
         CREATE VIEW v_throughput_by_rank_optimizer AS
@@ -120,6 +137,9 @@ def upgrade() -> None:
         GROUP BY j.lora_rank, j.optimizer_kind
         """
     )
+
+
+def _create_v_queue() -> None:
     op.execute(
         """
         CREATE VIEW v_queue AS
