@@ -2,15 +2,14 @@
 `kiln adapters list|download|delete` (kiln-contract §1; the CLI lines of seed 000).
 
 Every command talks to a running api (kiln.cli.http_client). Human tables by default, JSON with
-`--json`. Errors print the server's code, message and hint on stderr; exit 1 for an error
-envelope, 2 for bad usage or input, 3 when the api cannot be reached, 130 on Ctrl-C.
+`--json`. The connection options and the printing of errors and exit statuses live in
+kiln.cli.client_connection.
 
 Torch-free at import (the `kiln` command imports every command module).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import sys
@@ -22,6 +21,7 @@ from typing import Any
 
 import click
 
+from kiln.cli.client_connection import with_client
 from kiln.cli.client_view import (
     JOB_STATES,
     TERMINAL_STATES,
@@ -37,19 +37,11 @@ from kiln.cli.client_view import (
 )
 from kiln.cli.http_client import (
     EXIT_API_ERROR,
-    EXIT_UNREACHABLE,
-    EXIT_USAGE,
-    TOKEN_ENV,
-    URL_ENV,
     ApiClient,
     ApiError,
-    ApiUnreachable,
-    BadUrl,
-    LocalFileError,
     download_archive,
     extract_archive,
     quote_segment,
-    resolve_connection,
 )
 from kiln.cli.sft_submit import (
     EXIT_INTERRUPTED,
@@ -59,7 +51,6 @@ from kiln.cli.sft_submit import (
     sft_config,
     wait_for_job,
 )
-from kiln.settings import ConfigError
 from kiln_train.sft_config import OPTIMIZER_KINDS
 
 # Admission tokenizes every row inside the request (the server allows it 300 s).
@@ -84,78 +75,6 @@ def _group(cli: click.Group, name: str, help_text: str) -> click.Group:
     return group
 
 
-# ----- connection and error reporting -------------------------------------------------------
-
-
-def with_client(command: Callable) -> Callable:
-    """Add --url/--token/--config and call `command(client, ...)`, turning API failures into
-    their messages and exit statuses."""
-
-    @functools.wraps(command)
-    def run(*args: Any, url: str | None, token: str | None, config_file: str | None, **kwargs: Any) -> Any:
-        try:
-            connection = resolve_connection(url, token, config_file)
-        except ConfigError as exc:
-            click.echo(f"kiln: configuration error: {exc}", err=True)
-            sys.exit(EXIT_USAGE)
-        except BadUrl as exc:
-            raise click.BadParameter(f"{exc} (from --url or {URL_ENV})", param_hint="'--url'") from None
-        for key in ("job_id", "name"):
-            if key in kwargs and not str(kwargs[key]).strip():
-                raise click.BadParameter("must not be empty", param_hint=key.upper())
-        with reporting_errors():
-            return command(ApiClient(connection), *args, **kwargs)
-
-    options = (
-        click.option(
-            "--url", envvar=URL_ENV, help=f"Api base URL [env {URL_ENV}; default from server.host/port]."
-        ),
-        click.option(
-            "--token", envvar=TOKEN_ENV, help=f"Bearer token [env {TOKEN_ENV}; default server.api_tokens[0]]."
-        ),
-        click.option("--config", "config_file", type=click.Path(dir_okay=False), help="Path to kiln.toml."),
-    )
-    for option in options:
-        run = option(run)
-    return run
-
-
-@contextmanager
-def reporting_errors() -> Iterator[None]:
-    try:
-        yield
-    except ApiError as err:
-        report_api_error(err)
-        sys.exit(EXIT_API_ERROR)
-    except ApiUnreachable as err:
-        report_unreachable(err)
-        sys.exit(EXIT_UNREACHABLE)
-    except LocalFileError as exc:
-        click.echo(f"kiln: {exc}", err=True)
-        sys.exit(EXIT_USAGE)
-    except KeyboardInterrupt:
-        click.echo("\nkiln: interrupted", err=True)
-        sys.exit(EXIT_INTERRUPTED)
-
-
-def report_api_error(err: ApiError) -> None:
-    click.echo(f"kiln: {err.code} (HTTP {err.status}): {err.message}", err=True)
-    if err.hint:
-        click.echo(f"  hint: {err.hint}", err=True)
-    if err.retry_after:
-        click.echo(f"  retry after: {err.retry_after} s", err=True)
-    for note in err.notes:
-        click.echo(f"  note: {note}", err=True)
-
-
-def report_unreachable(err: ApiUnreachable) -> None:
-    base = err.base_url
-    click.echo(f"kiln: cannot reach the Kiln api: {err.url}: {err.reason}", err=True)
-    click.echo(
-        f"  is `kiln serve` running at {base}? Pass --url (or set {URL_ENV}) for another address.", err=True
-    )
-
-
 # ----- kiln train sft -----------------------------------------------------------------------
 
 
@@ -165,214 +84,255 @@ def finite_float(ctx: click.Context, param: click.Parameter, value: float | None
     return value
 
 
-def register_train(train: click.Group) -> None:
-    @train.command("sft")
-    @click.option(
-        "--data", required=True, metavar="FILE.jsonl", help="Conversations, one JSON object per line."
-    )
-    @click.option(
-        "--dataset-path",
-        "as_dataset_path",
-        is_flag=True,
-        help="Send --data as the server-local dataset_path (relative to the server's datasets/ "
-        "directory) instead of uploading its rows.",
-    )
-    @click.option("--epochs", type=int, help="Passes over the data (server default 3).")
-    @click.option("--rank", type=int, help="LoRA rank (lora_rank).")
-    @click.option("--alpha", type=float, callback=finite_float, help="LoRA alpha (lora_alpha).")
-    @click.option("--optimizer", type=click.Choice(OPTIMIZER_KINDS), help="Optimizer kind (its defaults).")
-    @click.option("--learning-rate", type=float, callback=finite_float, help="Constant learning rate.")
-    @click.option("--seed", type=int, help="u64 seed (the server draws one when omitted).")
-    @click.option("--checkpoint-interval", type=int, help="Exact checkpoint every N steps.")
-    @click.option("--resume-checkpoint", metavar="NAME", help="Resume from this exact checkpoint.")
-    @click.option("--output-name", metavar="NAME", help="Adapter name (auto when omitted).")
-    @click.option("--base-adapter", metavar="NAME", help="Warm-start from this PEFT adapter's weights.")
-    @click.option("--invalid-row-policy", type=click.Choice(["fail", "skip"]), help="What a bad row does.")
-    @click.option("--grad-checkpoint-segments", type=int, help="Gradient checkpoint segments.")
-    @click.option("--allow-high-lora-scale", is_flag=True, default=None, help="Allow alpha/rank > 2.")
-    @click.option("--detect-anomaly", is_flag=True, default=None, help="Scan every backward op for NaN/Inf.")
-    @click.option("--adapter-smoke-test", is_flag=True, default=None, help="Run base-vs-adapter canaries.")
-    @click.option(
-        "--adapter-smoke-prompts-file",
-        type=click.Path(dir_okay=False, path_type=Path),
-        help="Canary prompts: a JSON string array, or the file as one prompt.",
-    )
-    @click.option(
-        "--idempotency-key", metavar="KEY", help="Resubmitting with the same key never double-admits."
-    )
-    @click.option(
-        "--dry-run",
-        is_flag=True,
-        help="Run the whole admission (preflight) and print the plan; nothing is queued.",
-    )
-    @click.option("--no-wait", is_flag=True, help="Print the admission and return.")
-    @click.option("--poll-interval", type=float, default=1.0, hidden=True)
-    @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
-    @with_client
-    def train_sft(
-        client: ApiClient,
-        data: str,
-        as_dataset_path: bool,
-        adapter_smoke_prompts_file: Path | None,
-        idempotency_key: str | None,
-        dry_run: bool,
-        no_wait: bool,
-        poll_interval: float,
-        as_json: bool,
-        **options: Any,
-    ) -> None:
-        """Submit a native SFT job (training_profile native_online_lora_v1) and follow it to its
-        adapter and receipt."""
-        config = sft_config(options)
-        if adapter_smoke_prompts_file is not None:
-            config["adapter_smoke_prompts"] = read_smoke_prompts(adapter_smoke_prompts_file)
-        lines: list[int] = []
-        if as_dataset_path:
-            body: dict[str, Any] = {"dataset_path": data, "config": config}
-        else:
-            examples, lines = read_examples(Path(data), options.get("invalid_row_policy"))
-            body = {"examples": examples, "config": config}
+def json_option(help_text: str = "Print JSON instead of text.") -> Callable:
+    return click.option("--json", "as_json", is_flag=True, help=help_text)
+
+
+def apply_options(options: tuple[Callable, ...]) -> Callable:
+    """Apply click option decorators in the order written (the first is listed first in --help)."""
+
+    def decorate(command: Callable) -> Callable:
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
+
+
+# The request's config fields; `sft_config` turns the given ones into the body's `config`.
+SFT_CONFIG_OPTIONS = (
+    click.option("--epochs", type=int, help="Passes over the data (server default 3)."),
+    click.option("--rank", type=int, help="LoRA rank (lora_rank)."),
+    click.option("--alpha", type=float, callback=finite_float, help="LoRA alpha (lora_alpha)."),
+    click.option("--optimizer", type=click.Choice(OPTIMIZER_KINDS), help="Optimizer kind (its defaults)."),
+    click.option("--learning-rate", type=float, callback=finite_float, help="Constant learning rate."),
+    click.option("--seed", type=int, help="u64 seed (the server draws one when omitted)."),
+    click.option("--checkpoint-interval", type=int, help="Exact checkpoint every N steps."),
+    click.option("--resume-checkpoint", metavar="NAME", help="Resume from this exact checkpoint."),
+    click.option("--output-name", metavar="NAME", help="Adapter name (auto when omitted)."),
+    click.option("--base-adapter", metavar="NAME", help="Warm-start from this PEFT adapter's weights."),
+    click.option("--invalid-row-policy", type=click.Choice(["fail", "skip"]), help="What a bad row does."),
+    click.option("--grad-checkpoint-segments", type=int, help="Gradient checkpoint segments."),
+    click.option("--allow-high-lora-scale", is_flag=True, default=None, help="Allow alpha/rank > 2."),
+    click.option("--detect-anomaly", is_flag=True, default=None, help="Scan every backward op for NaN/Inf."),
+    click.option("--adapter-smoke-test", is_flag=True, default=None, help="Run base-vs-adapter canaries."),
+)
+
+
+@click.command("sft")
+@click.option("--data", required=True, metavar="FILE.jsonl", help="Conversations, one JSON object per line.")
+@click.option(
+    "--dataset-path",
+    "as_dataset_path",
+    is_flag=True,
+    help="Send --data as the server-local dataset_path (relative to the server's datasets/ "
+    "directory) instead of uploading its rows.",
+)
+@apply_options(SFT_CONFIG_OPTIONS)
+@click.option(
+    "--adapter-smoke-prompts-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Canary prompts: a JSON string array, or the file as one prompt.",
+)
+@click.option("--idempotency-key", metavar="KEY", help="Resubmitting with the same key never double-admits.")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Run the whole admission (preflight) and print the plan; nothing is queued.",
+)
+@click.option("--no-wait", is_flag=True, help="Print the admission and return.")
+@click.option("--poll-interval", type=float, default=1.0, hidden=True)
+@json_option()
+@with_client
+def train_sft(
+    client: ApiClient,
+    data: str,
+    as_dataset_path: bool,
+    adapter_smoke_prompts_file: Path | None,
+    idempotency_key: str | None,
+    dry_run: bool,
+    no_wait: bool,
+    poll_interval: float,
+    as_json: bool,
+    **options: Any,
+) -> None:
+    """Submit a native SFT job (training_profile native_online_lora_v1) and follow it to its
+    adapter and receipt."""
+    config = sft_config(options)
+    if adapter_smoke_prompts_file is not None:
+        config["adapter_smoke_prompts"] = read_smoke_prompts(adapter_smoke_prompts_file)
+    lines: list[int] = []
+    if as_dataset_path:
+        body: dict[str, Any] = {"dataset_path": data, "config": config}
+    else:
+        examples, lines = read_examples(Path(data), options.get("invalid_row_policy"))
+        body = {"examples": examples, "config": config}
+    with rows_named_in_errors(lines, Path(data)):
         if dry_run:
-            try:
-                plan = client.request("POST", PREFLIGHT_PATH, body=body, timeout=SUBMIT_TIMEOUT_S).body
-            except ApiError as err:
-                annotate_rows(err, lines, Path(data))
-                raise
-            if as_json:
-                emit_json(plan)
-            else:
-                describe_preflight(plan)
+            show_preflight(client, body, as_json)
             return
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key is not None else None
-        try:
-            reply = client.request(
-                "POST", "/v1/train/sft", body=body, headers=headers, timeout=SUBMIT_TIMEOUT_S
-            )
-        except ApiError as err:
-            annotate_rows(err, lines, Path(data))
-            raise
-        except KeyboardInterrupt:
-            click.echo(
-                "\nkiln: interrupted before the server answered; the job may still have been admitted: "
-                "see `kiln jobs list`"
-                + (
-                    " (resubmitting with the same --idempotency-key never admits it twice)"
-                    if idempotency_key
-                    else ""
-                ),
-                err=True,
-            )
-            sys.exit(EXIT_INTERRUPTED)
-        admission = reply.body
-        if not as_json:
-            replayed = reply.headers.get(REPLAY_HEADER) == "true"
-            describe_admission(admission, replayed)
-        if no_wait:
-            if as_json:
-                emit_json(admission)
-            else:
-                click.echo(f"follow it: kiln jobs events {admission['job_id']} --follow")
-            return
-        wait_for_job(client, admission, poll_interval)
-        detail = client.get(f"/v1/train/jobs/{quote_segment(admission['job_id'])}")
+        admission = submit_sft(client, body, idempotency_key, as_json)
+    if no_wait:
         if as_json:
-            emit_json({"admission": admission, "job": detail})
+            emit_json(admission)
         else:
-            describe_job(detail, outcome=True)
-        if detail["state"] != "completed":
-            sys.exit(EXIT_API_ERROR)
+            click.echo(f"follow it: kiln jobs events {admission['job_id']} --follow")
+        return
+    follow_to_outcome(client, admission, poll_interval, as_json)
+
+
+def register_train(train: click.Group) -> None:
+    train.add_command(train_sft)
+
+
+@contextmanager
+def rows_named_in_errors(lines: list[int], data: Path) -> Iterator[None]:
+    """An error envelope that names row indexes gets the local file's line numbers added."""
+    try:
+        yield
+    except ApiError as err:
+        annotate_rows(err, lines, data)
+        raise
+
+
+def show_preflight(client: ApiClient, body: dict[str, Any], as_json: bool) -> None:
+    plan = client.request("POST", PREFLIGHT_PATH, body=body, timeout=SUBMIT_TIMEOUT_S).body
+    if as_json:
+        emit_json(plan)
+    else:
+        describe_preflight(plan)
+
+
+def submit_sft(client: ApiClient, body: dict[str, Any], idempotency_key: str | None, as_json: bool) -> dict:
+    """POST the submission and describe the admission (a replay says so); returns its body."""
+    headers = {"Idempotency-Key": idempotency_key} if idempotency_key is not None else None
+    try:
+        reply = client.request("POST", "/v1/train/sft", body=body, headers=headers, timeout=SUBMIT_TIMEOUT_S)
+    except KeyboardInterrupt:
+        click.echo(
+            "\nkiln: interrupted before the server answered; the job may still have been admitted: "
+            "see `kiln jobs list`"
+            + (
+                " (resubmitting with the same --idempotency-key never admits it twice)"
+                if idempotency_key
+                else ""
+            ),
+            err=True,
+        )
+        sys.exit(EXIT_INTERRUPTED)
+    admission = reply.body
+    if not as_json:
+        replayed = reply.headers.get(REPLAY_HEADER) == "true"
+        describe_admission(admission, replayed)
+    return admission
+
+
+def follow_to_outcome(client: ApiClient, admission: dict, poll_interval: float, as_json: bool) -> None:
+    """Wait for the admitted job to finish, print its outcome; exit 1 unless it completed."""
+    wait_for_job(client, admission, poll_interval)
+    detail = client.get(f"/v1/train/jobs/{quote_segment(admission['job_id'])}")
+    if as_json:
+        emit_json({"admission": admission, "job": detail})
+    else:
+        describe_job(detail, outcome=True)
+    if detail["state"] != "completed":
+        sys.exit(EXIT_API_ERROR)
 
 
 # ----- kiln jobs ----------------------------------------------------------------------------
 
 
+def job_command(name: str, json_help: str = "Print JSON instead of text.") -> Callable:
+    """`kiln jobs NAME JOB_ID [--json]`, talking to the api."""
+
+    def decorate(command: Callable) -> click.Command:
+        return click.command(name)(click.argument("job_id")(json_option(json_help)(with_client(command))))
+
+    return decorate
+
+
+@click.command("list")
+@click.option("--state", type=click.Choice(JOB_STATES), help="Only jobs in this state.")
+@json_option("Print JSON instead of a table.")
+@with_client
+def jobs_list(client: ApiClient, state: str | None, as_json: bool) -> None:
+    """Every retained job, oldest first."""
+    rows = [j for j in client.get("/v1/train/status") if state is None or j["state"] == state]
+    if as_json:
+        emit_json(rows)
+        return
+    echo_table(
+        ("ID", "STATE", "ADAPTER", "PROGRESS", "LOSS", "SUBMITTED"),
+        [
+            (
+                j["job_id"],
+                j["state"],
+                j.get("adapter_name") or "-",
+                format_progress(j),
+                format_loss(j.get("current_loss")),
+                format_unix_ms(j.get("submitted_unix_ms")),
+            )
+            for j in rows
+        ],
+    )
+
+
+@job_command("show", "Print the full TrainingJobDetail JSON.")
+def jobs_show(client: ApiClient, job_id: str, as_json: bool) -> None:
+    """One job: status, data, loss curve, latest checkpoint and receipt summary."""
+    detail = client.get(f"/v1/train/jobs/{quote_segment(job_id)}")
+    if as_json:
+        emit_json(detail)
+    else:
+        describe_job(detail, outcome=False)
+
+
+@job_command("cancel")
+def jobs_cancel(client: ApiClient, job_id: str, as_json: bool) -> None:
+    """Cancel a job: a queued one ends at once, a running one at its next step boundary."""
+    answer = client.delete(f"/v1/train/queue/{quote_segment(job_id)}")
+    if as_json:
+        emit_json(answer)
+    elif answer["status"] == "cancelled":
+        click.echo(f"job {answer['job_id']} cancelled")
+    else:
+        click.echo(f"job {answer['job_id']} cancelling: {answer.get('message') or ''}".rstrip(": "))
+
+
+@job_command("delete")
+def jobs_delete(client: ApiClient, job_id: str, as_json: bool) -> None:
+    """Delete a finished job from the job list (its history rows stay for SQL)."""
+    answer = client.delete(f"/v1/train/jobs/{quote_segment(job_id)}")
+    if as_json:
+        emit_json(answer)
+    else:
+        click.echo(f"job {answer['job_id']} deleted")
+
+
+@click.command("events")
+@click.argument("job_id")
+@click.option("--follow", is_flag=True, help="Keep polling until the job is finished.")
+@click.option("--poll-interval", type=float, default=1.0, hidden=True)
+@json_option("Print one JSON object per event (JSON Lines).")
+@with_client
+def jobs_events(client: ApiClient, job_id: str, follow: bool, poll_interval: float, as_json: bool) -> None:
+    """The job's events, oldest first (cursor-paged with `after`)."""
+
+    def show(event: dict) -> None:
+        if as_json:
+            click.echo(json.dumps(event))
+        else:
+            click.echo(f"{event['created_at']}  {event['level']:<7}  {event['kind']:<16}  {event['message']}")
+
+    try:
+        follow_events(client, job_id, show, follow, poll_interval)
+    except KeyboardInterrupt:
+        sys.exit(EXIT_INTERRUPTED)
+
+
 def register_jobs(jobs: click.Group) -> None:
-    @jobs.command("list")
-    @click.option("--state", type=click.Choice(JOB_STATES), help="Only jobs in this state.")
-    @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-    @with_client
-    def jobs_list(client: ApiClient, state: str | None, as_json: bool) -> None:
-        """Every retained job, oldest first."""
-        rows = [j for j in client.get("/v1/train/status") if state is None or j["state"] == state]
-        if as_json:
-            emit_json(rows)
-            return
-        echo_table(
-            ("ID", "STATE", "ADAPTER", "PROGRESS", "LOSS", "SUBMITTED"),
-            [
-                (
-                    j["job_id"],
-                    j["state"],
-                    j.get("adapter_name") or "-",
-                    format_progress(j),
-                    format_loss(j.get("current_loss")),
-                    format_unix_ms(j.get("submitted_unix_ms")),
-                )
-                for j in rows
-            ],
-        )
-
-    @jobs.command("show")
-    @click.argument("job_id")
-    @click.option("--json", "as_json", is_flag=True, help="Print the full TrainingJobDetail JSON.")
-    @with_client
-    def jobs_show(client: ApiClient, job_id: str, as_json: bool) -> None:
-        """One job: status, data, loss curve, latest checkpoint and receipt summary."""
-        detail = client.get(f"/v1/train/jobs/{quote_segment(job_id)}")
-        if as_json:
-            emit_json(detail)
-        else:
-            describe_job(detail, outcome=False)
-
-    @jobs.command("cancel")
-    @click.argument("job_id")
-    @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
-    @with_client
-    def jobs_cancel(client: ApiClient, job_id: str, as_json: bool) -> None:
-        """Cancel a job: a queued one ends at once, a running one at its next step boundary."""
-        answer = client.delete(f"/v1/train/queue/{quote_segment(job_id)}")
-        if as_json:
-            emit_json(answer)
-        elif answer["status"] == "cancelled":
-            click.echo(f"job {answer['job_id']} cancelled")
-        else:
-            click.echo(f"job {answer['job_id']} cancelling: {answer.get('message') or ''}".rstrip(": "))
-
-    @jobs.command("delete")
-    @click.argument("job_id")
-    @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
-    @with_client
-    def jobs_delete(client: ApiClient, job_id: str, as_json: bool) -> None:
-        """Delete a finished job from the job list (its history rows stay for SQL)."""
-        answer = client.delete(f"/v1/train/jobs/{quote_segment(job_id)}")
-        if as_json:
-            emit_json(answer)
-        else:
-            click.echo(f"job {answer['job_id']} deleted")
-
-    @jobs.command("events")
-    @click.argument("job_id")
-    @click.option("--follow", is_flag=True, help="Keep polling until the job is finished.")
-    @click.option("--poll-interval", type=float, default=1.0, hidden=True)
-    @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per event (JSON Lines).")
-    @with_client
-    def jobs_events(
-        client: ApiClient, job_id: str, follow: bool, poll_interval: float, as_json: bool
-    ) -> None:
-        """The job's events, oldest first (cursor-paged with `after`)."""
-
-        def show(event: dict) -> None:
-            if as_json:
-                click.echo(json.dumps(event))
-            else:
-                click.echo(
-                    f"{event['created_at']}  {event['level']:<7}  {event['kind']:<16}  {event['message']}"
-                )
-
-        try:
-            follow_events(client, job_id, show, follow, poll_interval)
-        except KeyboardInterrupt:
-            sys.exit(EXIT_INTERRUPTED)
+    for command in (jobs_list, jobs_show, jobs_cancel, jobs_delete, jobs_events):
+        jobs.add_command(command)
 
 
 def follow_events(
