@@ -21,25 +21,24 @@ from datetime import datetime
 from pathlib import Path
 from typing import TypeVar
 
-from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
 from kiln import store
 from kiln.settings import Settings
 from kiln.store import states
+from kiln.store.errors import STORE_UNREACHABLE
 from kiln_train import checkpoint as ckpt
-from kiln_train.artifacts.adapter import ADAPTER_MODEL
-from kiln_train.artifacts.fencing import RunIdentity, grab_leftover, take_back
-from kiln_train.artifacts.provenance import file_digest
+from kiln_train.artifacts.fencing import RunIdentity, grab_leftover
 from kiln_train.errors import KilnError, OwnershipLost
 from kiln_train.model.resident import ResidentModel
 from kiln_train.plan.memory import available_budget
-from kiln_train.train.support import StepReport, TrainResult
+from kiln_train.train.support import TrainResult
 from kiln_train.train.trainer import train_sft
 from worker.fence import JobFence
 from worker.reconciler import Reconciler, unrecorded_checkpoints_beyond
+from worker.run_records import RunRecording
 from worker.runner import device_memory, heartbeat_file, runner_registration
-from worker.verify import PLAN_DRIFT, PLAN_DRIFT_CODE, PinnedJob, PlanDrift, verify_plan
+from worker.verify import PLAN_DRIFT, PLAN_DRIFT_CODE, PinnedJob, PlanDrift, pin_job, verify_plan
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +49,6 @@ WORKER_ERROR_CODE = "training_worker_error"
 WORKER_ERROR_REASON = "training_error"
 # A brief database outage is ridden out: each store write is retried after these pauses (seconds).
 DB_RETRY_DELAYS = (0.2, 0.5, 1.0, 2.0, 4.0)
-TRANSIENT_DB_ERRORS = (sa_exc.OperationalError, sa_exc.InterfaceError)
 
 T = TypeVar("T")
 
@@ -77,7 +75,7 @@ class CurrentRun:
         return self.job_id, self.attempt
 
 
-class WorkerRuntime:
+class WorkerRuntime(RunRecording):
     """Everything one worker process owns: settings, store, resident model, threads."""
 
     def __init__(
@@ -192,7 +190,7 @@ class WorkerRuntime:
             try:
                 with self.factory.begin() as s:
                     return write(s, retried)
-            except TRANSIENT_DB_ERRORS as exc:
+            except STORE_UNREACHABLE as exc:
                 delay = next(delays, None)
                 if delay is None:
                     raise
@@ -293,7 +291,7 @@ class WorkerRuntime:
                     return None
                 job = current
             store.heartbeat_runner(s, self.worker_id, state=states.RUNNER_BUSY, current_job_id=job_id)
-            return self._pin(s, job), job.attempts - store.count_graceful_releases(s, job_id)
+            return pin_job(s, job), job.attempts - store.count_graceful_releases(s, job_id)
 
         claimed = self.transact(claim)
         if claimed is None:
@@ -321,30 +319,6 @@ class WorkerRuntime:
             and (last.data or {}).get("worker_id") == self.worker_id
         )
 
-    @staticmethod
-    def _pin(s: Session, job) -> PinnedJob:
-        adm = store.get_admission(s, job.id)
-        recorded = {c.basename: c.manifest_sha256 for c in store.list_checkpoints(s, job.id)}
-        return PinnedJob(
-            job_id=job.id,
-            attempt=job.attempts,
-            adapter_name=job.adapter_name,
-            effective_seed=job.effective_seed,
-            resume_checkpoint=job.resume_checkpoint,
-            loss_route=adm.loss_route,
-            execution_identity_digest=adm.execution_identity_digest,
-            effective_config=dict(adm.effective_config),
-            checkpoint_plan=dict(adm.checkpoint_plan),
-            ingestion_receipt_sha256=adm.ingestion_receipt_sha256,
-            kept_corpus_sha256=adm.kept_corpus_sha256,
-            data_source=adm.data_source,
-            examples=adm.examples,
-            dataset_path=adm.dataset_path,
-            memory_estimate_bytes=int(adm.memory_estimate_bytes),
-            recorded_checkpoints=recorded,
-            total_steps=int(job.total_steps or 0),
-        )
-
     def _execute(self, pinned: PinnedJob) -> str:
         """Verify, reserve, train, record. Whatever goes wrong ends the job `failed` with a code;
         nothing leaves it `running` behind a worker that moved on."""
@@ -358,7 +332,7 @@ class WorkerRuntime:
                 pinned.attempt,
             )
             return "lost"
-        except TRANSIENT_DB_ERRORS:
+        except STORE_UNREACHABLE:
             # The store stayed unreachable through the retries: the outcome cannot be recorded
             # now. Our lease runs out and the reconciler settles the job from what is on disk
             # (the published adapter, the newest checkpoint) or fails it `worker_lost`.
@@ -467,227 +441,6 @@ class WorkerRuntime:
         if run is None or run.job_id != job_id:
             raise OwnershipLost(f"job {job_id} is not the run this worker holds")
         return run
-
-    def _on_step(self, job_id: str, report: StepReport) -> None:
-        """Record one step (loss curve, progress, lease, runner heartbeat) under this run's claim;
-        the trainer publishes the step's checkpoint after this. A superseded claim raises
-        `LeaseLost`: the trainer stops here, at the step boundary, having recorded nothing."""
-        run = self._run_of(job_id)
-        if run.lease_lost.is_set():
-            raise store.LeaseLost(job_id, self.worker_id)
-        lease = self.settings.training.lease_seconds
-        rows = max(1, report.total_steps // max(1, run.epochs))
-
-        def write(s: Session, retried: bool) -> bool:
-            if retried and store.step_recorded(s, job_id, report.global_step):
-                return store.renew_lease(s, job_id, self.worker_id, lease, attempt=run.attempt)
-            cancel = store.record_step(
-                s,
-                job_id,
-                self.worker_id,
-                global_step=report.global_step,
-                epoch=report.epoch,
-                loss=report.loss,
-                learning_rate=report.learning_rate,
-                step_ms=report.step_ms,
-                tokens=report.tokens,
-                supervised_tokens=report.supervised_tokens,
-                lease_seconds=lease,
-                attempt=run.attempt,
-            )
-            store.heartbeat_runner(s, self.worker_id, state=states.RUNNER_BUSY, current_job_id=job_id)
-            if report.global_step % rows == 0:
-                store.append_event(
-                    s,
-                    job_id,
-                    states.EVENT_EPOCH_COMPLETE,
-                    f"epoch {report.global_step // rows} of {run.epochs} complete",
-                    data={"epoch": report.global_step // rows, "global_step": report.global_step},
-                )
-            return cancel
-
-        try:
-            cancel = self.transact(write)
-        except store.LeaseLost:
-            run.lease_lost.set()
-            raise
-        except TRANSIENT_DB_ERRORS as exc:
-            # Not the job's fault: it is resumed, not failed (the reconciler settles it).
-            run.store_error = exc
-            raise
-        if cancel:
-            run.cancel.set()
-
-    def _on_checkpoint(self, job_id: str, record: dict) -> None:
-        """A checkpoint was published (its step is already recorded): record it under this run's
-        claim. A superseded claim raises `LeaseLost`; the checkpoint passed its fence checks, so it
-        stays for the current owner, who adopts or withdraws it."""
-        run = self._run_of(job_id)
-        if run.lease_lost.is_set():
-            raise store.LeaseLost(job_id, self.worker_id)
-        lease = self.settings.training.lease_seconds
-
-        def write(s: Session, retried: bool) -> None:
-            store.renew_lease(s, job_id, self.worker_id, lease, attempt=run.attempt)
-            _record_checkpoint(s, job_id, record)
-
-        try:
-            self.transact(write)
-        except store.LeaseLost:
-            run.lease_lost.set()
-            raise
-
-    def _event(self, job_id: str, kind: str, message: str, **kw) -> None:
-        """An event of the running job, written only while this run's claim holds it."""
-        run = self._run_of(job_id)
-
-        def write(s: Session, _: bool) -> None:
-            store.require_owner(s, job_id, self.worker_id, run.attempt)
-            store.append_event(s, job_id, kind, message, **kw)
-
-        self.transact(write)
-
-    def _finish_failed(
-        self, job_id: str, reason: str, message: str, *, code: str | None = None, **extra
-    ) -> None:
-        run = self.run
-        attempt = run.attempt if run is not None and run.job_id == job_id else None
-        try:
-            self.transact(
-                lambda s, _: store.finish_job(
-                    s,
-                    job_id,
-                    states.FAILED,
-                    worker_id=self.worker_id,
-                    attempt=attempt,
-                    failure_reason=reason,
-                    error_code=code,
-                    error_message=message,
-                    **extra,
-                )
-            )
-        except (store.LeaseLost, store.InvalidTransition) as exc:
-            log.warning("job %s could not be failed by this worker: %s", job_id, exc)
-
-    def _record_result(self, pinned: PinnedJob, result: TrainResult) -> str:
-        job_id = pinned.job_id
-        run = self._run_of(job_id)
-        if run.store_error is not None:
-            raise run.store_error  # left to the reconciler, like any outcome the store cannot take
-        latest = result.checkpoints[-1]["basename"] if result.checkpoints else None
-        common = {
-            "global_step": result.global_step,
-            "final_loss": result.final_loss,
-            "receipt": result.receipt,
-            "peak_memory_bytes": result.peak_memory_bytes,
-            "wall_clock_ms": result.wall_clock_ms,
-            "latest_checkpoint": latest,
-        }
-        if result.status == "success":
-            return self._complete(pinned, result, common)
-        if result.failure_reason == "cancelled" and self.shutdown.is_set() and not run.cancel.is_set():
-            return self._release_for_resume(job_id)
-        self._finish_failed(job_id, result.failure_reason, result.failure_message or "", **common)
-        return "failed"
-
-    def _complete(self, pinned: PinnedJob, result: TrainResult, common: dict) -> str:
-        job_id, run = pinned.job_id, self._run_of(pinned.job_id)
-        model_file = result.adapter_path / ADAPTER_MODEL
-        size = sum(p.stat().st_size for p in result.adapter_path.iterdir())
-        digest = file_digest(model_file)
-
-        def complete(s: Session, retried: bool) -> None:
-            if retried:
-                job = store.get_job(s, job_id, include_deleted=True)
-                if job is not None and job.state == states.COMPLETED and job.worker_id == self.worker_id:
-                    return  # the earlier attempt committed
-            store.require_owner(s, job_id, self.worker_id, run.attempt)
-            store.register_adapter(
-                s,
-                name=result.adapter_name,
-                job_id=job_id,
-                path=str(result.adapter_path),
-                size_bytes=size,
-                safetensors_sha256=digest,
-                rank=result.receipt["hyperparameters"]["rank"],
-                alpha=result.receipt["hyperparameters"]["alpha"],
-                base_model_sha256=self.resident.base_weights_sha256,
-            )
-            store.finish_job(
-                s,
-                job_id,
-                states.COMPLETED,
-                worker_id=self.worker_id,
-                attempt=run.attempt,
-                adapter_path=str(result.adapter_path),
-                **common,
-            )
-
-        try:
-            self.transact(complete)
-        except (store.LeaseLost, store.InvalidTransition):
-            self._settle_unrecorded_adapter(pinned, result.adapter_path)
-            raise OwnershipLost(f"job {job_id}: claim {run.attempt} no longer holds the job") from None
-        return "completed"
-
-    def _settle_unrecorded_adapter(self, pinned: PinnedJob, path: Path) -> None:
-        """Our claim was superseded after the adapter passed its fence checks. When the
-        reconciler completed the job from exactly this adapter it stays; otherwise the directory
-        this run renamed (and only that one, by inode) is taken back for the current owner."""
-        adapter = self.transact(lambda s, _: store.get_adapter(s, pinned.adapter_name))
-        if adapter is not None and adapter.job_id == pinned.job_id:
-            return
-        identity = self._run_of(pinned.job_id).fence.renamed_dirs.get(path)
-        if identity is not None:
-            take_back(path, identity)
-
-    def _release_for_resume(self, job_id: str) -> str:
-        """Worker shutdown mid-job: the checkpoint is written; expire our lease so the reconciler
-        (here after a restart, or on another worker) resumes the job from it."""
-        attempt = self.run.attempt if self.run is not None else None
-        with self.lease_lock:  # no heartbeat renews the lease we are about to expire
-            self.run = None
-
-        def release(s: Session, _: bool) -> bool:
-            try:
-                store.renew_lease(s, job_id, self.worker_id, 0, attempt=attempt)
-            except store.LeaseLost:
-                return False
-            # Marked `released`: a graceful release is not a lost delivery, so it does not count
-            # against max_attempts (a rolling deploy must not fail a job that never crashed).
-            store.append_event(
-                s,
-                job_id,
-                states.EVENT_REQUEUED,
-                "worker shutting down; released at a checkpoint",
-                data={"released": True, "worker_id": self.worker_id},
-            )
-            return True
-
-        if not self.transact(release):
-            return "lost"
-        self.reconciler.run_once()
-        return "requeued"
-
-
-def _record_checkpoint(s: Session, job_id: str, record: dict) -> None:
-    """The `checkpoints` row of a published checkpoint (idempotent: a retried write whose commit
-    went through finds it)."""
-    if store.get_checkpoint(s, job_id, record["basename"]) is not None:
-        return
-    store.record_checkpoint(
-        s,
-        job_id,
-        checkpoint_id=record["checkpoint_id"],
-        basename=record["basename"],
-        path=record["path"],
-        global_step=record["global_step"],
-        epoch_index=record["epoch_index"],
-        cursor=record["cursor"],
-        manifest_sha256="sha256:" + record["manifest_sha256"].removeprefix("sha256:"),
-        size_bytes=record["size_bytes"],
-        write_ms=record["write_ms"],
-    )
 
 
 def _run_identity(pinned: PinnedJob) -> RunIdentity:

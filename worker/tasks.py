@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from celery import Celery, Task
 from celery.exceptions import Reject
-from sqlalchemy import exc as sa_exc
 
 from kiln.broker import TRAIN_SFT_TASK
+from kiln.store.errors import STORE_UNREACHABLE
 
 # The job store stayed unreachable through the runtime's own retries: ring the doorbell again
 # later. Acknowledging the failure instead would lose it, and a published queued row is not
 # something the reconciler republishes.
-STORE_DOWN_ERRORS = (sa_exc.OperationalError, sa_exc.InterfaceError)
 STORE_DOWN_RETRY_SECONDS = 15
 
 _RUNTIME = None
@@ -29,7 +28,7 @@ def train_sft(task: Task, job_id: str) -> str:
         raise RuntimeError("no resident runtime in this process; start workers with `kiln worker`")
     try:
         outcome = _RUNTIME.run_job(job_id)
-    except STORE_DOWN_ERRORS as exc:
+    except STORE_UNREACHABLE as exc:
         raise task.retry(exc=exc, countdown=STORE_DOWN_RETRY_SECONDS) from exc
     if outcome == "deferred":
         # Shutting down: hand the message back unacknowledged for the next worker to take.

@@ -12,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from sqlalchemy.orm import Session
+
+from kiln import store
 from kiln.settings import Settings
 from kiln_train import checkpoint as ckpt
 from kiln_train.artifacts.provenance import json_sha256
@@ -54,6 +57,31 @@ class PinnedJob:
     memory_estimate_bytes: int
     recorded_checkpoints: dict  # basename -> manifest sha256 (from the job's checkpoints rows)
     total_steps: int = 0
+
+
+def pin_job(s: Session, job) -> PinnedJob:
+    """The claimed job's row and its admission, copied into a PinnedJob."""
+    adm = store.get_admission(s, job.id)
+    recorded = {c.basename: c.manifest_sha256 for c in store.list_checkpoints(s, job.id)}
+    return PinnedJob(
+        job_id=job.id,
+        attempt=job.attempts,
+        adapter_name=job.adapter_name,
+        effective_seed=job.effective_seed,
+        resume_checkpoint=job.resume_checkpoint,
+        loss_route=adm.loss_route,
+        execution_identity_digest=adm.execution_identity_digest,
+        effective_config=dict(adm.effective_config),
+        checkpoint_plan=dict(adm.checkpoint_plan),
+        ingestion_receipt_sha256=adm.ingestion_receipt_sha256,
+        kept_corpus_sha256=adm.kept_corpus_sha256,
+        data_source=adm.data_source,
+        examples=adm.examples,
+        dataset_path=adm.dataset_path,
+        memory_estimate_bytes=int(adm.memory_estimate_bytes),
+        recorded_checkpoints=recorded,
+        total_steps=int(job.total_steps or 0),
+    )
 
 
 @dataclass(frozen=True)

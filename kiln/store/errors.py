@@ -7,7 +7,12 @@ envelope as is; it raises the classes below for the service's internal rules.
 
 from __future__ import annotations
 
+from sqlalchemy import exc as sa_exc
+
 from kiln_train.errors import OwnershipLost
+
+# The database cannot be reached right now (connection refused or dropped): worth retrying.
+STORE_UNREACHABLE = (sa_exc.OperationalError, sa_exc.InterfaceError)
 
 
 class StoreError(Exception):

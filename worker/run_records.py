@@ -1,0 +1,253 @@
+"""What a run writes to the job store while it holds its claim: each step, each published
+checkpoint, its events, and its outcome (completed with its adapter, failed with a reason, or
+released at a checkpoint when the worker shuts down).
+
+`RunRecording` is a part of `worker.runtime.WorkerRuntime`, kept here so each file holds one
+idea. It uses the runtime's `settings`, `worker_id`, `resident`, `run`, `lease_lock`, `shutdown`,
+`reconciler`, `transact` and `_run_of`. Every write goes through `transact` (retried through a
+brief outage) and checks the run's claim, so a superseded run records nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from sqlalchemy.orm import Session
+
+from kiln import store
+from kiln.store import states
+from kiln.store.errors import STORE_UNREACHABLE
+from kiln_train.artifacts.adapter import ADAPTER_MODEL
+from kiln_train.artifacts.fencing import take_back
+from kiln_train.artifacts.provenance import file_digest
+from kiln_train.errors import OwnershipLost
+from kiln_train.train.support import StepReport, TrainResult
+from worker.verify import PinnedJob
+
+log = logging.getLogger(__name__)
+
+
+class RunRecording:
+    """The store writes of the run this worker holds (a part of WorkerRuntime)."""
+
+    def _on_step(self, job_id: str, report: StepReport) -> None:
+        """Record one step (loss curve, progress, lease, runner heartbeat) under this run's claim;
+        the trainer publishes the step's checkpoint after this. A superseded claim raises
+        `LeaseLost`: the trainer stops here, at the step boundary, having recorded nothing."""
+        run = self._run_of(job_id)
+        if run.lease_lost.is_set():
+            raise store.LeaseLost(job_id, self.worker_id)
+        lease = self.settings.training.lease_seconds
+        rows = max(1, report.total_steps // max(1, run.epochs))
+
+        def write(s: Session, retried: bool) -> bool:
+            if retried and store.step_recorded(s, job_id, report.global_step):
+                return store.renew_lease(s, job_id, self.worker_id, lease, attempt=run.attempt)
+            cancel = store.record_step(
+                s,
+                job_id,
+                self.worker_id,
+                global_step=report.global_step,
+                epoch=report.epoch,
+                loss=report.loss,
+                learning_rate=report.learning_rate,
+                step_ms=report.step_ms,
+                tokens=report.tokens,
+                supervised_tokens=report.supervised_tokens,
+                lease_seconds=lease,
+                attempt=run.attempt,
+            )
+            store.heartbeat_runner(s, self.worker_id, state=states.RUNNER_BUSY, current_job_id=job_id)
+            if report.global_step % rows == 0:
+                store.append_event(
+                    s,
+                    job_id,
+                    states.EVENT_EPOCH_COMPLETE,
+                    f"epoch {report.global_step // rows} of {run.epochs} complete",
+                    data={"epoch": report.global_step // rows, "global_step": report.global_step},
+                )
+            return cancel
+
+        try:
+            cancel = self.transact(write)
+        except store.LeaseLost:
+            run.lease_lost.set()
+            raise
+        except STORE_UNREACHABLE as exc:
+            # Not the job's fault: it is resumed, not failed (the reconciler settles it).
+            run.store_error = exc
+            raise
+        if cancel:
+            run.cancel.set()
+
+    def _on_checkpoint(self, job_id: str, record: dict) -> None:
+        """A checkpoint was published (its step is already recorded): record it under this run's
+        claim. A superseded claim raises `LeaseLost`; the checkpoint passed its fence checks, so it
+        stays for the current owner, who adopts or withdraws it."""
+        run = self._run_of(job_id)
+        if run.lease_lost.is_set():
+            raise store.LeaseLost(job_id, self.worker_id)
+        lease = self.settings.training.lease_seconds
+
+        def write(s: Session, retried: bool) -> None:
+            store.renew_lease(s, job_id, self.worker_id, lease, attempt=run.attempt)
+            record_checkpoint(s, job_id, record)
+
+        try:
+            self.transact(write)
+        except store.LeaseLost:
+            run.lease_lost.set()
+            raise
+
+    def _event(self, job_id: str, kind: str, message: str, **kw) -> None:
+        """An event of the running job, written only while this run's claim holds it."""
+        run = self._run_of(job_id)
+
+        def write(s: Session, _: bool) -> None:
+            store.require_owner(s, job_id, self.worker_id, run.attempt)
+            store.append_event(s, job_id, kind, message, **kw)
+
+        self.transact(write)
+
+    def _finish_failed(
+        self, job_id: str, reason: str, message: str, *, code: str | None = None, **extra
+    ) -> None:
+        run = self.run
+        attempt = run.attempt if run is not None and run.job_id == job_id else None
+        try:
+            self.transact(
+                lambda s, _: store.finish_job(
+                    s,
+                    job_id,
+                    states.FAILED,
+                    worker_id=self.worker_id,
+                    attempt=attempt,
+                    failure_reason=reason,
+                    error_code=code,
+                    error_message=message,
+                    **extra,
+                )
+            )
+        except (store.LeaseLost, store.InvalidTransition) as exc:
+            log.warning("job %s could not be failed by this worker: %s", job_id, exc)
+
+    def _record_result(self, pinned: PinnedJob, result: TrainResult) -> str:
+        job_id = pinned.job_id
+        run = self._run_of(job_id)
+        if run.store_error is not None:
+            raise run.store_error  # left to the reconciler, like any outcome the store cannot take
+        latest = result.checkpoints[-1]["basename"] if result.checkpoints else None
+        common = {
+            "global_step": result.global_step,
+            "final_loss": result.final_loss,
+            "receipt": result.receipt,
+            "peak_memory_bytes": result.peak_memory_bytes,
+            "wall_clock_ms": result.wall_clock_ms,
+            "latest_checkpoint": latest,
+        }
+        if result.status == "success":
+            return self._complete(pinned, result, common)
+        if result.failure_reason == "cancelled" and self.shutdown.is_set() and not run.cancel.is_set():
+            return self._release_for_resume(job_id)
+        self._finish_failed(job_id, result.failure_reason, result.failure_message or "", **common)
+        return "failed"
+
+    def _complete(self, pinned: PinnedJob, result: TrainResult, common: dict) -> str:
+        job_id, run = pinned.job_id, self._run_of(pinned.job_id)
+        model_file = result.adapter_path / ADAPTER_MODEL
+        size = sum(p.stat().st_size for p in result.adapter_path.iterdir())
+        digest = file_digest(model_file)
+
+        def complete(s: Session, retried: bool) -> None:
+            if retried:
+                job = store.get_job(s, job_id, include_deleted=True)
+                if job is not None and job.state == states.COMPLETED and job.worker_id == self.worker_id:
+                    return  # the earlier attempt committed
+            store.require_owner(s, job_id, self.worker_id, run.attempt)
+            store.register_adapter(
+                s,
+                name=result.adapter_name,
+                job_id=job_id,
+                path=str(result.adapter_path),
+                size_bytes=size,
+                safetensors_sha256=digest,
+                rank=result.receipt["hyperparameters"]["rank"],
+                alpha=result.receipt["hyperparameters"]["alpha"],
+                base_model_sha256=self.resident.base_weights_sha256,
+            )
+            store.finish_job(
+                s,
+                job_id,
+                states.COMPLETED,
+                worker_id=self.worker_id,
+                attempt=run.attempt,
+                adapter_path=str(result.adapter_path),
+                **common,
+            )
+
+        try:
+            self.transact(complete)
+        except (store.LeaseLost, store.InvalidTransition):
+            self._settle_unrecorded_adapter(pinned, result.adapter_path)
+            raise OwnershipLost(f"job {job_id}: claim {run.attempt} no longer holds the job") from None
+        return "completed"
+
+    def _settle_unrecorded_adapter(self, pinned: PinnedJob, path: Path) -> None:
+        """Our claim was superseded after the adapter passed its fence checks. When the
+        reconciler completed the job from exactly this adapter it stays; otherwise the directory
+        this run renamed (and only that one, by inode) is taken back for the current owner."""
+        adapter = self.transact(lambda s, _: store.get_adapter(s, pinned.adapter_name))
+        if adapter is not None and adapter.job_id == pinned.job_id:
+            return
+        identity = self._run_of(pinned.job_id).fence.renamed_dirs.get(path)
+        if identity is not None:
+            take_back(path, identity)
+
+    def _release_for_resume(self, job_id: str) -> str:
+        """Worker shutdown mid-job: the checkpoint is written; expire our lease so the reconciler
+        (here after a restart, or on another worker) resumes the job from it."""
+        attempt = self.run.attempt if self.run is not None else None
+        with self.lease_lock:  # no heartbeat renews the lease we are about to expire
+            self.run = None
+
+        def release(s: Session, _: bool) -> bool:
+            try:
+                store.renew_lease(s, job_id, self.worker_id, 0, attempt=attempt)
+            except store.LeaseLost:
+                return False
+            # Marked `released`: a graceful release is not a lost delivery, so it does not count
+            # against max_attempts (a rolling deploy must not fail a job that never crashed).
+            store.append_event(
+                s,
+                job_id,
+                states.EVENT_REQUEUED,
+                "worker shutting down; released at a checkpoint",
+                data={"released": True, "worker_id": self.worker_id},
+            )
+            return True
+
+        if not self.transact(release):
+            return "lost"
+        self.reconciler.run_once()
+        return "requeued"
+
+
+def record_checkpoint(s: Session, job_id: str, record: dict) -> None:
+    """The `checkpoints` row of a published checkpoint (idempotent: a retried write whose commit
+    went through finds it)."""
+    if store.get_checkpoint(s, job_id, record["basename"]) is not None:
+        return
+    store.record_checkpoint(
+        s,
+        job_id,
+        checkpoint_id=record["checkpoint_id"],
+        basename=record["basename"],
+        path=record["path"],
+        global_step=record["global_step"],
+        epoch_index=record["epoch_index"],
+        cursor=record["cursor"],
+        manifest_sha256="sha256:" + record["manifest_sha256"].removeprefix("sha256:"),
+        size_bytes=record["size_bytes"],
+        write_ms=record["write_ms"],
+    )
