@@ -295,7 +295,7 @@ def test_cross_field_rules_are_in_the_document(client):
 
 @pytest.mark.parametrize("key", ["k", "k" * 255, "k" * 256, "a b", "~!", "clé", "a\tb", "a\x01", ""])
 def test_idempotency_key_header_is_what_admission_accepts(key, client, engine, broker, storage, runner):
-    from api.admission import check_idempotency_key
+    from api.admission_checks import check_idempotency_key
 
     schema = _parameter(_doc(client), "/v1/train/sft", "post", "Idempotency-Key")
     try:

@@ -1,0 +1,208 @@
+"""Admission steps 6-9 for a submission: the resume point, the defaults, ingestion with the
+runner's tokenizer, the memory plan; and the rows that plan becomes in step 10 (the job, its
+pinned admission, its first event). Nothing here writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from api.admission_checks import IdempotencyKey, check_output_name_fits
+from api.resume_gate import ResumePoint, adopt_checkpoint_fields, check_resume_identity, load_resume_point
+from api.runner_gate import RunnerTarget, check_static_gates, check_training_template
+from api.services import Services
+from kiln.store import new_job_id, states
+from kiln_train.artifacts.provenance import json_sha256
+from kiln_train.checkpoint.manifest import CHECKPOINT_PLAN_AUX_KEY
+from kiln_train.data.ingestion import IngestionResult, ingest_examples, ingest_jsonl, resolve_dataset_path
+from kiln_train.errors import backend_unsupported
+from kiln_train.plan.memory import SegmentPlan, available_budget, check_row_plan_fits, plan_segments
+from kiln_train.sft_config import SftConfig, SftRequest
+
+CHECKPOINT_BOUNDARY = "contiguous"
+
+
+@dataclass(frozen=True)
+class AdmissionPlan:
+    job_id: str
+    config: SftConfig  # effective: resolved, defaults filled, segments stamped
+    request: SftRequest
+    target: RunnerTarget
+    ingestion: IngestionResult
+    segments: SegmentPlan
+    auto_segments: bool  # rows get the fewest segments that fit (planned, not given by the request)
+    resume: ResumePoint | None
+    budget_bytes: int  # the budget an auto plan's rows are planned against (a resume: the checkpoint's)
+
+
+def prepare_plan(svc: Services, request: SftRequest, target: RunnerTarget) -> AdmissionPlan:
+    settings = svc.settings
+    job_id = new_job_id()
+    config = request.config
+    resume = None
+    if config.resume_checkpoint is not None:  # (6)
+        resume = load_resume_point(config, settings.adapters_dir)
+        config = adopt_checkpoint_fields(config, resume)
+        check_static_gates(target, config)
+    defaults: dict = {}  # (7)
+    if config.checkpoint_interval is None and settings.training.checkpoint_interval is not None:
+        defaults["checkpoint_interval"] = settings.training.checkpoint_interval
+    if config.output_name is None:
+        defaults["output_name"] = f"sft-{job_id[:8]}"
+    config = config.model_copy(update=defaults).resolve(seed=resume.seed if resume else None)
+    recorded = _recorded_plan(resume)
+    auto_segments = recorded["auto"] if recorded is not None else config.grad_checkpoint_segments is None
+    ingestion = _ingest(svc, request, config, target)  # (8)
+    check_output_name_fits(config.output_name, config.epochs * len(ingestion.rows))
+    segments = _plan_memory(svc, config, target, ingestion)  # (9)
+    budget = segments.available_bytes
+    if recorded is not None and recorded["auto"]:
+        # The resumed rows must get the segments they had: re-derive them from the checkpoint's
+        # budget (not today's) and check that each row's bound still fits today.
+        budget = int(recorded["budget_bytes"])
+        check_row_plan_fits(
+            target.model,
+            [(r.seq_len, r.supervised_tokens) for r in ingestion.rows],
+            recorded,
+            lora_rank=config.lora_rank,
+            optimizer_kind=config.optimizer.kind,
+            loss_route=target.loss_route,
+            backend=target.backend,
+            weights_resident=True,
+            available_bytes=segments.available_bytes,
+        )
+    config = config.model_copy(update={"grad_checkpoint_segments": segments.num_segments})
+    if resume is not None:
+        check_resume_identity(
+            resume,
+            config.to_json(),
+            ingestion.receipt["kept_corpus_sha256"],
+            len(ingestion.rows),
+            config.epochs * len(ingestion.rows),
+        )
+    return AdmissionPlan(job_id, config, request, target, ingestion, segments, auto_segments, resume, budget)
+
+
+def _recorded_plan(resume: ResumePoint | None) -> dict | None:
+    """The gradient checkpoint plan a resumed checkpoint's run was pinned to (validated by the
+    strict loader), or None (no resume, or a checkpoint from before plans were recorded)."""
+    if resume is None:
+        return None
+    return resume.manifest.auxiliary_state.get(CHECKPOINT_PLAN_AUX_KEY)
+
+
+def _ingest(svc: Services, request: SftRequest, config: SftConfig, target: RunnerTarget) -> IngestionResult:
+    check_training_template(target)
+    tokenizer = svc.tokenizers.get(target.model_path, target.identity.get("tokenizer_vocab_sha256"))
+    if request.examples is not None:
+        return ingest_examples(
+            list(request.examples), tokenizer=tokenizer, policy=config.invalid_row_policy, source="inline"
+        )
+    assert request.dataset_path is not None
+    path = resolve_dataset_path(request.dataset_path, svc.settings.datasets_dir)
+    return ingest_jsonl(
+        path,
+        tokenizer=tokenizer,
+        policy=config.invalid_row_policy,
+        source="dataset_path",
+        source_locator=request.dataset_path,
+    )
+
+
+def _plan_memory(
+    svc: Services, config: SftConfig, target: RunnerTarget, ingestion: IngestionResult
+) -> SegmentPlan:
+    if target.free_memory_bytes is None:
+        raise backend_unsupported(f"runner {target.runner_id} reports no free device memory to admit against")
+    memory = svc.settings.memory
+    available = available_budget(
+        target.backend,
+        total_bytes=target.total_memory_bytes or target.free_memory_bytes,
+        free_bytes=target.free_memory_bytes,
+        reserve_gb=memory.reserve_gb,
+        training_memory_gb=memory.training_memory_gb,
+    )
+    return plan_segments(
+        target.model,
+        max_seq_len=ingestion.max_seq_len,
+        max_supervised_tokens=ingestion.max_supervised_tokens,
+        lora_rank=config.lora_rank,
+        optimizer_kind=config.optimizer.kind,
+        loss_route=target.loss_route,
+        backend=target.backend,
+        weights_resident=True,  # the runner measured free memory with the model already loaded
+        available_bytes=available,
+        requested_segments=config.grad_checkpoint_segments,
+    )
+
+
+# ----- the rows (step 10) -------------------------------------------------------------------
+
+
+def job_fields(plan: AdmissionPlan, key: IdempotencyKey | None, fingerprint: str) -> dict:
+    config, rows = plan.config, len(plan.ingestion.rows)
+    return {
+        "id": plan.job_id,
+        "adapter_name": config.output_name,
+        "effective_seed": str(config.seed),
+        "optimizer_kind": config.optimizer.kind,
+        "learning_rate": config.learning_rate,
+        "lora_rank": config.lora_rank,
+        "lora_alpha": config.lora_alpha,
+        "epochs": config.epochs,
+        "rows_kept": rows,
+        "total_steps": config.epochs * rows,
+        "loss_route": plan.target.loss_route,
+        "backend": plan.target.backend.name,
+        "device": plan.target.backend.device,
+        "idempotency_key": key.stored if key is not None else None,
+        "request_fingerprint": fingerprint,
+        "resume_checkpoint": plan.resume.path.name if plan.resume else None,
+    }
+
+
+def admission_fields(plan: AdmissionPlan) -> dict:
+    config, ingestion, segments = plan.config, plan.ingestion, plan.segments
+    inline = plan.request.examples is not None
+    breakdown = segments.breakdown.to_dict()
+    breakdown["available_bytes"] = segments.available_bytes
+    return {
+        "loss_route": plan.target.loss_route,
+        "optimizer": {"learning_rate": config.learning_rate, **config.optimizer.model_dump(mode="json")},
+        "checkpoint_plan": {
+            "max_segments": segments.num_segments,
+            "auto": plan.auto_segments,
+            "budget_bytes": plan.budget_bytes,
+            "boundary": CHECKPOINT_BOUNDARY,
+            "resume_from": plan.resume.pin() if plan.resume else None,
+        },
+        "memory_estimate_bytes": segments.breakdown.total,
+        "memory_breakdown": breakdown,
+        "execution_identity_digest": plan.target.execution_identity_digest,
+        "runner_id": plan.target.runner_id,
+        "ingestion_receipt": ingestion.receipt,
+        "ingestion_receipt_sha256": json_sha256(ingestion.receipt),
+        "kept_corpus_sha256": ingestion.receipt["kept_corpus_sha256"],
+        "effective_config": config.to_json(),
+        "data_source": states.SOURCE_EXAMPLES if inline else states.SOURCE_DATASET_PATH,
+        "examples": list(plan.request.examples) if inline else None,
+        "dataset_path": None if inline else plan.request.dataset_path,
+        "max_seq_len": ingestion.max_seq_len,
+        "max_supervised_tokens": ingestion.max_supervised_tokens,
+    }
+
+
+def first_event(plan: AdmissionPlan) -> dict:
+    return {
+        "kind": states.EVENT_QUEUED,
+        "message": "admitted and queued",
+        "data": {
+            "runner_id": plan.target.runner_id,
+            "rows_kept": len(plan.ingestion.rows),
+            "rows_rejected": plan.ingestion.receipt["rows_rejected"],
+            "total_steps": plan.config.epochs * len(plan.ingestion.rows),
+            "grad_checkpoint_segments": plan.segments.num_segments,
+            "memory_estimate_bytes": plan.segments.breakdown.total,
+            "resume_checkpoint": plan.resume.path.name if plan.resume else None,
+        },
+    }
