@@ -100,6 +100,41 @@ def expired_leases(
     return list(session.scalars(query.order_by(Job.queue_seq)))
 
 
+def _expired_lease_update(
+    session: Session, job_id: str, wanted: str, now: datetime, *conditions, **values
+) -> None:
+    """One guarded transition of a running job whose lease expired before `now` (and that meets
+    `conditions`); InvalidTransition names the state found when the row did not match."""
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.state == states.RUNNING, Job.lease_expires_at < now, *conditions)
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:
+        current = get_job(session, job_id, include_deleted=True)
+        raise InvalidTransition(job_id, wanted, current.state if current else None)
+
+
+def _requeue_expired(session: Session, job_id: str, wanted: str, now: datetime, **values) -> None:
+    """Back to the queue, unowned and unpublished, at its back; `values` say where it starts
+    again. A job with a cancel request is not requeued."""
+    _expired_lease_update(
+        session,
+        job_id,
+        wanted,
+        now,
+        Job.cancel_requested == false(),
+        state=states.QUEUED,
+        worker_id=None,
+        lease_expires_at=None,
+        heartbeat_at=None,
+        published_at=None,
+        queue_seq=next_queue_seq(session),
+        **values,
+    )
+
+
 def requeue_for_resume(session: Session, job_id: str, checkpoint: str, now: datetime | None = None) -> Job:
     """Put a job whose lease expired back in the queue, to resume from `checkpoint` (a basename
     from the job's `checkpoints` rows). Steps and checkpoints recorded after that checkpoint are
@@ -110,31 +145,16 @@ def requeue_for_resume(session: Session, job_id: str, checkpoint: str, now: date
     row = get_checkpoint(session, job_id, checkpoint)
     if row is None:
         raise ValueError(f"job {job_id}: no recorded checkpoint {checkpoint!r}")
-    result = session.execute(
-        update(Job)
-        .where(
-            Job.id == job_id,
-            Job.state == states.RUNNING,
-            Job.lease_expires_at < now,
-            Job.cancel_requested == false(),
-        )
-        .values(
-            state=states.QUEUED,
-            worker_id=None,
-            lease_expires_at=None,
-            heartbeat_at=None,
-            published_at=None,
-            resume_checkpoint=checkpoint,
-            latest_checkpoint=checkpoint,
-            global_step=row.global_step,
-            current_epoch=row.epoch_index,
-            queue_seq=next_queue_seq(session),
-        )
-        .execution_options(synchronize_session=False)
+    _requeue_expired(
+        session,
+        job_id,
+        "requeue an expired lease",
+        now,
+        resume_checkpoint=checkpoint,
+        latest_checkpoint=checkpoint,
+        global_step=row.global_step,
+        current_epoch=row.epoch_index,
     )
-    if result.rowcount != 1:
-        current = get_job(session, job_id, include_deleted=True)
-        raise InvalidTransition(job_id, "requeue an expired lease", current.state if current else None)
     session.execute(
         delete(TrainingStep)
         .where(TrainingStep.job_id == job_id, TrainingStep.global_step > row.global_step)
@@ -172,32 +192,17 @@ def requeue_for_restart(
     seed and plan are pinned, so the run computes the same bits. Every step and checkpoint row is
     dropped (the new attempt records them again)."""
     now = now or store_now(session)
-    result = session.execute(
-        update(Job)
-        .where(
-            Job.id == job_id,
-            Job.state == states.RUNNING,
-            Job.lease_expires_at < now,
-            Job.cancel_requested == false(),
-        )
-        .values(
-            state=states.QUEUED,
-            worker_id=None,
-            lease_expires_at=None,
-            heartbeat_at=None,
-            published_at=None,
-            resume_checkpoint=resume_checkpoint,
-            latest_checkpoint=None,
-            global_step=start_step,
-            current_epoch=None,
-            current_loss=None,
-            queue_seq=next_queue_seq(session),
-        )
-        .execution_options(synchronize_session=False)
+    _requeue_expired(
+        session,
+        job_id,
+        "restart an expired lease",
+        now,
+        resume_checkpoint=resume_checkpoint,
+        latest_checkpoint=None,
+        global_step=start_step,
+        current_epoch=None,
+        current_loss=None,
     )
-    if result.rowcount != 1:
-        current = get_job(session, job_id, include_deleted=True)
-        raise InvalidTransition(job_id, "restart an expired lease", current.state if current else None)
     for table in (TrainingStep, Checkpoint):
         session.execute(
             delete(table).where(table.job_id == job_id).execution_options(synchronize_session=False)
@@ -240,21 +245,17 @@ def fail_worker_lost(session: Session, job_id: str, now: datetime | None = None)
         raise InvalidTransition(job_id, "fail an expired lease", None)
     reason = states.REASON_CANCELLED if job.cancel_requested else states.REASON_WORKER_LOST
     message = f"worker {job.worker_id} stopped renewing its lease (expired {job.lease_expires_at})"
-    result = session.execute(
-        update(Job)
-        .where(Job.id == job_id, Job.state == states.RUNNING, Job.lease_expires_at < now)
-        .values(
-            state=states.FAILED,
-            failure_reason=reason,
-            error_message=message,
-            finished_at=now,
-            lease_expires_at=None,
-        )
-        .execution_options(synchronize_session=False)
+    _expired_lease_update(
+        session,
+        job_id,
+        "fail an expired lease",
+        now,
+        state=states.FAILED,
+        failure_reason=reason,
+        error_message=message,
+        finished_at=now,
+        lease_expires_at=None,
     )
-    if result.rowcount != 1:
-        current = get_job(session, job_id, include_deleted=True)
-        raise InvalidTransition(job_id, "fail an expired lease", current.state if current else None)
     append_event(
         session,
         job_id,
@@ -288,23 +289,19 @@ def complete_lost_job(
     job = get_job(session, job_id, include_deleted=True)
     if job is None:
         raise InvalidTransition(job_id, "complete a lost job", None)
-    result = session.execute(
-        update(Job)
-        .where(Job.id == job_id, Job.state == states.RUNNING, Job.lease_expires_at < now)
-        .values(
-            state=states.COMPLETED,
-            finished_at=now,
-            lease_expires_at=None,
-            global_step=Job.total_steps,
-            adapter_path=adapter_path,
-            receipt=receipt,
-            final_loss=Job.current_loss,
-        )
-        .execution_options(synchronize_session=False)
+    _expired_lease_update(
+        session,
+        job_id,
+        "complete a lost job",
+        now,
+        state=states.COMPLETED,
+        finished_at=now,
+        lease_expires_at=None,
+        global_step=Job.total_steps,
+        adapter_path=adapter_path,
+        receipt=receipt,
+        final_loss=Job.current_loss,
     )
-    if result.rowcount != 1:
-        current = get_job(session, job_id, include_deleted=True)
-        raise InvalidTransition(job_id, "complete a lost job", current.state if current else None)
     register_adapter(
         session,
         name=job.adapter_name,
