@@ -23,6 +23,38 @@ from kiln_train.plan import formulas as memory_formulas
 LOSS_HISTORY_MAX = 1024
 GIB = 1 << 30
 
+# Response fields that copy a store column of the same name unchanged (the schema's field order
+# decides the JSON's, not these tuples).
+EVENT_COLUMNS = ("id", "job_id", "kind", "level", "message", "data")
+RUNNER_COLUMNS = (
+    "id",
+    "state",
+    "backend",
+    "device",
+    "loss_route",
+    "base_weight_dtype",
+    "model_path",
+    "execution_identity_digest",
+    "free_memory_bytes",
+    "total_memory_bytes",
+    "current_job_id",
+)
+ADAPTER_COLUMNS = (
+    "name",
+    "path",
+    "job_id",
+    "size_bytes",
+    "safetensors_sha256",
+    "rank",
+    "alpha",
+    "base_model_sha256",
+)
+
+
+def columns(row: object, names: tuple[str, ...]) -> dict[str, Any]:
+    """The attributes `names` of `row`, by name."""
+    return {name: getattr(row, name) for name in names}
+
 
 def serving_profile() -> schemas.ServingProfile:
     """`serving_profile` of `/v1/config` and `/health` (kiln-contract §1.1).
@@ -274,33 +306,15 @@ def job_detail(
 
 
 def event_out(event: JobEvent) -> schemas.JobEventOut:
-    return schemas.JobEventOut(
-        id=event.id,
-        job_id=event.job_id,
-        created_at=rfc3339(event.created_at),
-        kind=event.kind,
-        level=event.level,
-        message=event.message,
-        data=event.data,
-    )
+    return schemas.JobEventOut(**columns(event, EVENT_COLUMNS), created_at=rfc3339(event.created_at))
 
 
 def runner_summary(runner: Runner | None, now: datetime) -> schemas.RunnerSummary | None:
     if runner is None:
         return None
     return schemas.RunnerSummary(
-        id=runner.id,
-        state=runner.state,
-        backend=runner.backend,
-        device=runner.device,
-        loss_route=runner.loss_route,
-        base_weight_dtype=runner.base_weight_dtype,
-        model_path=runner.model_path,
-        execution_identity_digest=runner.execution_identity_digest,
+        **columns(runner, RUNNER_COLUMNS),
         heartbeat_age_s=max(0.0, (now - runner.heartbeat_at).total_seconds()),
-        free_memory_bytes=runner.free_memory_bytes,
-        total_memory_bytes=runner.total_memory_bytes,
-        current_job_id=runner.current_job_id,
     )
 
 
@@ -309,15 +323,8 @@ def adapter_info(adapter: Adapter, checkpoints: list[str]) -> schemas.AdapterInf
     if manifest is None and error is None:
         error = f"{ADAPTER_MANIFEST} is missing"
     return schemas.AdapterInfo(
-        name=adapter.name,
-        path=adapter.path,
-        job_id=adapter.job_id,
+        **columns(adapter, ADAPTER_COLUMNS),
         created_at=rfc3339(adapter.created_at),
-        size_bytes=adapter.size_bytes,
-        safetensors_sha256=adapter.safetensors_sha256,
-        rank=adapter.rank,
-        alpha=adapter.alpha,
-        base_model_sha256=adapter.base_model_sha256,
         adapter_manifest=manifest,
         adapter_manifest_error=error,
         checkpoints=checkpoints,

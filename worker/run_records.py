@@ -27,6 +27,9 @@ from worker.verify import PinnedJob
 
 log = logging.getLogger(__name__)
 
+# The StepReport fields a `training_steps` row keeps, under the same names.
+STEP_COLUMNS = ("global_step", "epoch", "loss", "learning_rate", "step_ms", "tokens", "supervised_tokens")
+
 
 class RunRecording:
     """The store writes of the run this worker holds (a part of WorkerRuntime)."""
@@ -48,13 +51,7 @@ class RunRecording:
                 s,
                 job_id,
                 self.worker_id,
-                global_step=report.global_step,
-                epoch=report.epoch,
-                loss=report.loss,
-                learning_rate=report.learning_rate,
-                step_ms=report.step_ms,
-                tokens=report.tokens,
-                supervised_tokens=report.supervised_tokens,
+                **{name: getattr(report, name) for name in STEP_COLUMNS},
                 lease_seconds=lease,
                 attempt=run.attempt,
             )

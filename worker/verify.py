@@ -59,6 +59,19 @@ class PinnedJob:
     total_steps: int = 0
 
 
+# PinnedJob fields copied unchanged from the job row and from its admission row.
+PINNED_JOB_COLUMNS = ("adapter_name", "effective_seed", "resume_checkpoint")
+PINNED_ADMISSION_COLUMNS = (
+    "loss_route",
+    "execution_identity_digest",
+    "ingestion_receipt_sha256",
+    "kept_corpus_sha256",
+    "data_source",
+    "examples",
+    "dataset_path",
+)
+
+
 def pin_job(s: Session, job) -> PinnedJob:
     """The claimed job's row and its admission, copied into a PinnedJob."""
     adm = store.get_admission(s, job.id)
@@ -66,18 +79,10 @@ def pin_job(s: Session, job) -> PinnedJob:
     return PinnedJob(
         job_id=job.id,
         attempt=job.attempts,
-        adapter_name=job.adapter_name,
-        effective_seed=job.effective_seed,
-        resume_checkpoint=job.resume_checkpoint,
-        loss_route=adm.loss_route,
-        execution_identity_digest=adm.execution_identity_digest,
+        **{name: getattr(job, name) for name in PINNED_JOB_COLUMNS},
+        **{name: getattr(adm, name) for name in PINNED_ADMISSION_COLUMNS},
         effective_config=dict(adm.effective_config),
         checkpoint_plan=dict(adm.checkpoint_plan),
-        ingestion_receipt_sha256=adm.ingestion_receipt_sha256,
-        kept_corpus_sha256=adm.kept_corpus_sha256,
-        data_source=adm.data_source,
-        examples=adm.examples,
-        dataset_path=adm.dataset_path,
         memory_estimate_bytes=int(adm.memory_estimate_bytes),
         recorded_checkpoints=recorded,
         total_steps=int(job.total_steps or 0),

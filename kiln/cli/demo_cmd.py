@@ -29,7 +29,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -264,6 +264,13 @@ def cancel_own_job(client: ApiClient, adapter_name: str) -> None:
             _say(f"job {job_id} is still {state}; the worker stops it as it shuts down")
 
 
+def preset_option(help_text: str) -> Callable:
+    """`--preset tiny|small`: the shape of the random model built when none is configured."""
+    return click.option(
+        "--preset", type=click.Choice(["tiny", "small"]), default="small", show_default=True, help=help_text
+    )
+
+
 def register(cli: click.Group) -> None:
     @cli.command("demo")
     @click.option(
@@ -280,13 +287,7 @@ def register(cli: click.Group) -> None:
         show_default=True,
         help="Conversations to train on (JSONL).",
     )
-    @click.option(
-        "--preset",
-        type=click.Choice(["tiny", "small"]),
-        default="small",
-        show_default=True,
-        help="Random Qwen3.5 shape to build (small: hidden 256, 8 layers, full vocabulary).",
-    )
+    @preset_option("Random Qwen3.5 shape to build (small: hidden 256, 8 layers, full vocabulary).")
     @click.option("--epochs", type=click.IntRange(min=1), default=3, show_default=True)
     def demo(root: Path, data: Path, preset: str, epochs: int) -> None:
         """Run api + worker on embedded defaults, train the demo adapter over HTTP, then stop.

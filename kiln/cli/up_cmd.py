@@ -38,6 +38,7 @@ from kiln.cli.demo_cmd import (
     _stop,
     ensure_model,
     model_is_complete,
+    preset_option,
 )
 from kiln.cli.service_cmd import (
     check_port_free,
@@ -65,13 +66,7 @@ def register(cli: click.Group) -> None:
     @click.option("--port", type=int, default=None, help="TCP port of the api and the UI (server.port).")
     @click.option("--model-path", default=None, help="Qwen3.5 checkpoint directory (model.path).")
     @click.option("--device", default=None, help="cpu, cuda or cuda:N (model.device).")
-    @click.option(
-        "--preset",
-        type=click.Choice(["tiny", "small"]),
-        default="small",
-        show_default=True,
-        help="Shape of the random model built when no model is configured.",
-    )
+    @preset_option("Shape of the random model built when no model is configured.")
     def up(
         config_file: str | None,
         root: Path | None,

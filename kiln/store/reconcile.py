@@ -135,6 +135,21 @@ def _requeue_expired(session: Session, job_id: str, wanted: str, now: datetime, 
     )
 
 
+def _announce_requeue(session: Session, job_id: str, message: str, data: dict) -> Job:
+    """The `requeued` event of a job put back in the queue (its attempts so far added)."""
+    job = get_job(session, job_id, include_deleted=True)
+    assert job is not None
+    append_event(
+        session,
+        job_id,
+        states.EVENT_REQUEUED,
+        message,
+        level=states.LEVEL_WARNING,
+        data={**data, "attempts": job.attempts},
+    )
+    return job
+
+
 def requeue_for_resume(session: Session, job_id: str, checkpoint: str, now: datetime | None = None) -> Job:
     """Put a job whose lease expired back in the queue, to resume from `checkpoint` (a basename
     from the job's `checkpoints` rows). Steps and checkpoints recorded after that checkpoint are
@@ -165,17 +180,12 @@ def requeue_for_resume(session: Session, job_id: str, checkpoint: str, now: date
         .where(Checkpoint.job_id == job_id, Checkpoint.global_step > row.global_step)
         .execution_options(synchronize_session=False)
     )
-    job = get_job(session, job_id, include_deleted=True)
-    assert job is not None
-    append_event(
+    return _announce_requeue(
         session,
         job_id,
-        states.EVENT_REQUEUED,
         f"worker lost; resuming from {checkpoint} at step {row.global_step}",
-        level=states.LEVEL_WARNING,
-        data={"checkpoint": checkpoint, "global_step": row.global_step, "attempts": job.attempts},
+        {"checkpoint": checkpoint, "global_step": row.global_step},
     )
-    return job
 
 
 def requeue_for_restart(
@@ -207,23 +217,13 @@ def requeue_for_restart(
         session.execute(
             delete(table).where(table.job_id == job_id).execution_options(synchronize_session=False)
         )
-    job = get_job(session, job_id, include_deleted=True)
-    assert job is not None
-    append_event(
+    return _announce_requeue(
         session,
         job_id,
-        states.EVENT_REQUEUED,
         f"{reason}; restarting from step {start_step}"
         + (f" ({resume_checkpoint})" if resume_checkpoint else " with the pinned seed and plan"),
-        level=states.LEVEL_WARNING,
-        data={
-            "restart": True,
-            "checkpoint": resume_checkpoint,
-            "global_step": start_step,
-            "attempts": job.attempts,
-        },
+        {"restart": True, "checkpoint": resume_checkpoint, "global_step": start_step},
     )
-    return job
 
 
 def steps_recorded_through(session: Session, job_id: str, global_step: int) -> bool:
