@@ -468,6 +468,11 @@ def test_adapters_receipt_download_compare_and_delete(tab, stack, tmp_path):
 
 def test_every_page_fits_a_phone_and_a_desktop(tab, stack):
     page = tab.page
+    if not any(job["state"] == "completed" for job in stack.jobs()):  # rows to measure: a job, an adapter
+        job = stack.submit(
+            {"examples": [example(0), example(1)], "config": {**SMALL, "output_name": name("fit")}}
+        )
+        stack.wait(job, lambda d: d["state"] in ("completed", "failed"))
     for route in ("", "train", "jobs", "inspect", "adapters"):
         for viewport in (DESKTOP, PHONE):
             page.set_viewport_size(viewport)
@@ -478,6 +483,11 @@ def test_every_page_fits_a_phone_and_a_desktop(tab, stack):
             page.wait_for_load_state("networkidle")
             width = page.evaluate("document.scrollingElement.scrollWidth")
             assert width <= viewport["width"], (route, viewport, width)  # nothing scrolls sideways
+            heights = page.locator("main table:visible tbody tr").evaluate_all(
+                "rows => rows.map(r => r.getBoundingClientRect().height)"
+            )
+            # an id or a hash wraps in a few lines; a row a screen tall is not a list one can read
+            assert max(heights, default=0) <= 160, (route, viewport, heights)
             tab.shot(route or "overview", viewport)
 
 
