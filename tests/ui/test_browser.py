@@ -422,6 +422,51 @@ def test_a_job_can_be_submitted_with_the_keyboard_alone(tab, stack):
     stack.finish(job_id)
 
 
+# ----- every field of the form ----------------------------------------------------------------
+
+
+def test_every_sft_field_reaches_the_request(tab, stack):
+    """Each control of the automation contract that no other test sends (seed, learning rate, an
+    optimizer's own fields, anomaly detection, warm start) ends up in the admitted config."""
+    page = tab.page
+    base = name("warm")
+    first = stack.submit({"examples": [example(0), example(1)], "config": {**SMALL, "output_name": base}})
+    assert stack.wait(first, lambda d: d["state"] in ("completed", "failed"))["state"] == "completed"
+    adapter = name("fields")
+    page.goto("/#/train")
+    expect(page.locator("#sft-epochs")).to_have_value("3")
+    page.fill("#sft-output-name", adapter)
+    page.fill("#sft-epochs", "2")
+    page.fill("#sft-lora-rank", "4")
+    page.fill("#sft-lora-alpha", "8")
+    page.select_option("#sft-optimizer", "adam_w")
+    expect(page.locator("#sft-adamw-beta1")).to_have_value("0.9")  # its own fields, with their defaults
+    expect(page.locator("#sft-muon-momentum")).to_be_hidden()
+    page.fill("#sft-adamw-beta2", "0.95")
+    page.fill("#sft-adamw-weight-decay", "0.01")
+    page.fill("#sft-learning-rate", "0.0002")
+    page.fill("#sft-seed", "12345")
+    page.click("#sft-advanced summary")
+    page.select_option("#sft-invalid-row-policy", "skip")
+    page.check("#sft-detect-anomaly")
+    page.fill("#sft-checkpoint-interval", "2")
+    page.select_option("#sft-base-adapter", base)
+    page.fill("#sft-grad-checkpoint-segments", "1")
+    page.click("#sft-submit")
+    job_id = job_id_of(page)
+    config = stack.get(f"/v1/train/jobs/{job_id}")["replay_request"]["config"]
+    stack.finish(job_id)
+    assert config["output_name"] == adapter and config["epochs"] == 2
+    assert (config["lora_rank"], config["lora_alpha"]) == (4, 8)
+    optimizer = config["optimizer"]
+    assert optimizer["kind"] == "adam_w" and (optimizer["beta1"], optimizer["beta2"]) == (0.9, 0.95)
+    assert optimizer["weight_decay"] == 0.01
+    assert config["learning_rate"] == 0.0002 and str(config["seed"]) == "12345"
+    assert config["invalid_row_policy"] == "skip" and config["detect_anomaly"] is True
+    assert config["checkpoint_interval"] == 2 and config["grad_checkpoint_segments"] == 1
+    assert config["base_adapter"] == base
+
+
 # ----- adapters -------------------------------------------------------------------------------
 
 
