@@ -82,6 +82,29 @@ def documents(tab) -> list[str]:
     return [r.url for r in tab.requests if r.resource_type == "document"]
 
 
+# ----- overview -------------------------------------------------------------------------------
+
+
+def test_the_overview_shows_runner_model_backend_memory_queue_and_the_guide(tab, stack):
+    page = tab.page
+    page.goto("/#/")
+    expect(page.locator("#overview-runner")).to_have_text("alive")
+    health = stack.get("/health")
+    runner = health["runner"]
+    expect(page.locator("#overview-runner-detail")).to_contain_text(runner["id"])
+    expect(page.locator("#overview-model")).to_have_text(runner["model_path"])
+    expect(page.locator("#overview-device")).to_contain_text(runner["device"])
+    expect(page.locator("#overview-backend")).to_have_text(runner["backend"])
+    expect(page.locator("#overview-memory")).to_contain_text(re.compile(r"free of \d+(\.\d+)? GiB"))
+    expect(page.locator("#overview-memory-detail")).to_contain_text(
+        f"training capped at {TRAINING_MEMORY_GB} GiB"
+    )
+    expect(page.locator("#overview-queue")).to_have_text(re.compile(r"^\d+ queued$"))
+    expect(page.locator("#overview-guide li")).to_have_count(3)  # worker, the sample, an adapter
+    expect(page.locator("#overview-guide li.done")).to_have_count(1)  # a worker is up
+    expect(page.locator("#overview-guide a[href='#/train']")).to_be_visible()
+
+
 # ----- train: upload, preflight, submit, watch ------------------------------------------------
 
 
