@@ -12,7 +12,8 @@
    threads, each with one keep-alive connection, GET /v1/train/status/<id> for `--seconds`
    (bounded load: at most one request in flight per client). Requests/s and p50/p99 latency.
 
-Needs Redis at 127.0.0.1:6379 (db 12, a queue of its own that is deleted afterwards) and, for the postgres backend, the Postgres
+Needs Redis at KILN_TEST_REDIS (default redis://127.0.0.1:6379; db 12, a queue of its own that is
+deleted afterwards) and, for the postgres backend, the Postgres
 server at KILN_TEST_POSTGRES_URL (default postgresql://postgres@127.0.0.1:5432/test): a database
 `kiln_bench_<random>` is created and dropped.
 """
@@ -37,7 +38,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-REDIS_URL = "redis://127.0.0.1:6379/12"
+# The tests' Redis server (KILN_TEST_REDIS, as in tests/services.py), so a second checkout can
+# benchmark against its own.
+REDIS_URL = os.environ.get("KILN_TEST_REDIS", "redis://127.0.0.1:6379").rstrip("/") + "/12"
 QUEUE = f"kiln-bench-{uuid.uuid4().hex[:8]}"  # its own queue; deleted afterwards
 POSTGRES_ADMIN_URL = os.environ.get("KILN_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 ROWS = 100

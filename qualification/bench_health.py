@@ -11,8 +11,9 @@ again for `--seconds`; a 503 is retried after its Retry-After. Meanwhile one pro
 and one GETs `/v1/train/status` back to back, each on its own keep-alive connection. Prints the
 probes' p50/p95/p99/max latency and the submissions' outcomes. Target: `/health` p99 < 100 ms.
 
-Needs Redis at 127.0.0.1:6379 (db 12, a queue of its own that is deleted afterwards); the postgres
-backend needs KILN_TEST_POSTGRES_URL (default postgresql://postgres@127.0.0.1:5432/test).
+Needs Redis at KILN_TEST_REDIS (default redis://127.0.0.1:6379; db 12, a queue of its own that is
+deleted afterwards); the postgres backend needs KILN_TEST_POSTGRES_URL (default
+postgresql://postgres@127.0.0.1:5432/test).
 """
 
 from __future__ import annotations

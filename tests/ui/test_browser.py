@@ -82,6 +82,29 @@ def documents(tab) -> list[str]:
     return [r.url for r in tab.requests if r.resource_type == "document"]
 
 
+# ----- overview -------------------------------------------------------------------------------
+
+
+def test_the_overview_shows_runner_model_backend_memory_queue_and_the_guide(tab, stack):
+    page = tab.page
+    page.goto("/#/")
+    expect(page.locator("#overview-runner")).to_have_text("alive")
+    health = stack.get("/health")
+    runner = health["runner"]
+    expect(page.locator("#overview-runner-detail")).to_contain_text(runner["id"])
+    expect(page.locator("#overview-model")).to_have_text(runner["model_path"])
+    expect(page.locator("#overview-device")).to_contain_text(runner["device"])
+    expect(page.locator("#overview-backend")).to_have_text(runner["backend"])
+    expect(page.locator("#overview-memory")).to_contain_text(re.compile(r"free of \d+(\.\d+)? GiB"))
+    expect(page.locator("#overview-memory-detail")).to_contain_text(
+        f"training capped at {TRAINING_MEMORY_GB} GiB"
+    )
+    expect(page.locator("#overview-queue")).to_have_text(re.compile(r"^\d+ queued$"))
+    expect(page.locator("#overview-guide li")).to_have_count(3)  # worker, the sample, an adapter
+    expect(page.locator("#overview-guide li.done")).to_have_count(1)  # a worker is up
+    expect(page.locator("#overview-guide a[href='#/train']")).to_be_visible()
+
+
 # ----- train: upload, preflight, submit, watch ------------------------------------------------
 
 
@@ -422,6 +445,51 @@ def test_a_job_can_be_submitted_with_the_keyboard_alone(tab, stack):
     stack.finish(job_id)
 
 
+# ----- every field of the form ----------------------------------------------------------------
+
+
+def test_every_sft_field_reaches_the_request(tab, stack):
+    """Each control of the automation contract that no other test sends (seed, learning rate, an
+    optimizer's own fields, anomaly detection, warm start) ends up in the admitted config."""
+    page = tab.page
+    base = name("warm")
+    first = stack.submit({"examples": [example(0), example(1)], "config": {**SMALL, "output_name": base}})
+    assert stack.wait(first, lambda d: d["state"] in ("completed", "failed"))["state"] == "completed"
+    adapter = name("fields")
+    page.goto("/#/train")
+    expect(page.locator("#sft-epochs")).to_have_value("3")
+    page.fill("#sft-output-name", adapter)
+    page.fill("#sft-epochs", "2")
+    page.fill("#sft-lora-rank", "4")
+    page.fill("#sft-lora-alpha", "8")
+    page.select_option("#sft-optimizer", "adam_w")
+    expect(page.locator("#sft-adamw-beta1")).to_have_value("0.9")  # its own fields, with their defaults
+    expect(page.locator("#sft-muon-momentum")).to_be_hidden()
+    page.fill("#sft-adamw-beta2", "0.95")
+    page.fill("#sft-adamw-weight-decay", "0.01")
+    page.fill("#sft-learning-rate", "0.0002")
+    page.fill("#sft-seed", "12345")
+    page.click("#sft-advanced summary")
+    page.select_option("#sft-invalid-row-policy", "skip")
+    page.check("#sft-detect-anomaly")
+    page.fill("#sft-checkpoint-interval", "2")
+    page.select_option("#sft-base-adapter", base)
+    page.fill("#sft-grad-checkpoint-segments", "1")
+    page.click("#sft-submit")
+    job_id = job_id_of(page)
+    config = stack.get(f"/v1/train/jobs/{job_id}")["replay_request"]["config"]
+    stack.finish(job_id)
+    assert config["output_name"] == adapter and config["epochs"] == 2
+    assert (config["lora_rank"], config["lora_alpha"]) == (4, 8)
+    optimizer = config["optimizer"]
+    assert optimizer["kind"] == "adam_w" and (optimizer["beta1"], optimizer["beta2"]) == (0.9, 0.95)
+    assert optimizer["weight_decay"] == 0.01
+    assert config["learning_rate"] == 0.0002 and str(config["seed"]) == "12345"
+    assert config["invalid_row_policy"] == "skip" and config["detect_anomaly"] is True
+    assert config["checkpoint_interval"] == 2 and config["grad_checkpoint_segments"] == 1
+    assert config["base_adapter"] == base
+
+
 # ----- adapters -------------------------------------------------------------------------------
 
 
@@ -468,6 +536,11 @@ def test_adapters_receipt_download_compare_and_delete(tab, stack, tmp_path):
 
 def test_every_page_fits_a_phone_and_a_desktop(tab, stack):
     page = tab.page
+    if not any(job["state"] == "completed" for job in stack.jobs()):  # rows to measure: a job, an adapter
+        job = stack.submit(
+            {"examples": [example(0), example(1)], "config": {**SMALL, "output_name": name("fit")}}
+        )
+        stack.wait(job, lambda d: d["state"] in ("completed", "failed"))
     for route in ("", "train", "jobs", "inspect", "adapters"):
         for viewport in (DESKTOP, PHONE):
             page.set_viewport_size(viewport)
@@ -478,6 +551,11 @@ def test_every_page_fits_a_phone_and_a_desktop(tab, stack):
             page.wait_for_load_state("networkidle")
             width = page.evaluate("document.scrollingElement.scrollWidth")
             assert width <= viewport["width"], (route, viewport, width)  # nothing scrolls sideways
+            heights = page.locator("main table:visible tbody tr").evaluate_all(
+                "rows => rows.map(r => r.getBoundingClientRect().height)"
+            )
+            # an id or a hash wraps in a few lines; a row a screen tall is not a list one can read
+            assert max(heights, default=0) <= 160, (route, viewport, heights)
             tab.shot(route or "overview", viewport)
 
 

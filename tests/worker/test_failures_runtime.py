@@ -324,6 +324,50 @@ def test_a_checkpoint_killed_between_publishing_and_recording_is_adopted(client,
     assert [(e.data["attempt"], e.data["start_step"]) for e in started] == [(1, 0), (2, 4)]
 
 
+def test_an_unrecorded_checkpoint_that_does_not_verify_is_withdrawn_not_adopted(
+    client, runtime, sessions, settings
+):
+    """The worker died between publishing a checkpoint and recording it, and the published copy
+    is damaged (a flipped byte): the next attempt does not adopt it but withdraws it, resumes from
+    the recorded checkpoint before it, and writes and records that step again."""
+    name = unique_name("ckorphan")
+    job_id = submit(client, sft_body(3, epochs=2, checkpoint_interval=2, seed=5, output_name=name))
+    original = runtime._on_checkpoint
+
+    def on_checkpoint(jid, record):
+        if record["global_step"] == 4:
+            raise Killed  # after the rename, before the row
+        original(jid, record)
+
+    runtime._on_checkpoint = on_checkpoint
+    with pytest.raises(Killed):
+        runtime.run_job(job_id)
+    runtime._on_checkpoint = original
+    step2 = f"{name}-checkpoint-step-00000002.kiln-checkpoint"
+    step4 = f"{name}-checkpoint-step-00000004.kiln-checkpoint"
+    assert step4 in checkpoint_names(settings, name)
+    weights = settings.adapters_dir / step4 / "adapter.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01
+    weights.write_bytes(bytes(data))
+    expire_lease(sessions, job_id)
+    assert runtime.reconciler.run_once()["resumed"] == 1
+    job = job_row(sessions, job_id)
+    assert job.state == states.QUEUED and job.resume_checkpoint == step2 and job.global_step == 2
+    assert step4 not in checkpoint_names(settings, name)
+    with sessions() as s:
+        assert [c.global_step for c in store.list_checkpoints(s, job_id)] == [2]
+        events, _ = store.list_events(s, job_id, limit=1000)
+    assert not any((e.data or {}).get("adopted") for e in events)
+    assert runtime.run_job(job_id) == "completed"
+    assert steps(sessions, job_id) == [1, 2, 3, 4, 5, 6]
+    with sessions() as s:
+        assert [c.global_step for c in store.list_checkpoints(s, job_id)] == [2, 4]
+    from kiln_train import checkpoint as ckpt
+
+    ckpt.load_checkpoint(settings.adapters_dir / step4, verify_hashes=True)  # the rewritten one verifies
+
+
 def test_a_recorded_checkpoint_damaged_on_disk_is_skipped_and_rewritten_on_resume(
     client, runtime, sessions, settings
 ):
