@@ -29,7 +29,6 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from api.errors import IDEMPOTENCY_KEY_REUSED, ApiError
-from api.json_text import canonical_sha256
 from api.queries import active_jobs_for_adapter, admission_summaries
 from api.resume_gate import ResumePoint, adopt_checkpoint_fields, check_resume_identity, load_resume_point
 from api.runner_gate import RunnerTarget, check_static_gates, check_training_template, runner_target
@@ -49,7 +48,7 @@ from kiln.store import (
     states,
 )
 from kiln_train.artifacts.adapter import ADAPTER_NAME_RE, check_base_adapter_files
-from kiln_train.artifacts.provenance import json_sha256
+from kiln_train.artifacts.digest import json_sha256
 from kiln_train.checkpoint.manifest import CHECKPOINT_PLAN_AUX_KEY, CHECKPOINT_SUFFIX, checkpoint_dir_name
 from kiln_train.checkpoint.publish import staging_dir_name
 from kiln_train.data.ingestion import IngestionResult, ingest_examples, ingest_jsonl, resolve_dataset_path
@@ -104,7 +103,7 @@ class _Plan:
 
 def request_fingerprint(body: object) -> str:
     """SHA-256 of the body's canonical JSON: the same request, however it was formatted."""
-    return canonical_sha256(body)
+    return json_sha256(body)
 
 
 @dataclass(frozen=True)

@@ -435,12 +435,12 @@ def oracle_input(row: dict) -> tuple[list[dict], list[dict] | None]:
 def kiln_template_input(row: dict) -> tuple[list[dict], list[dict] | None] | None:
     """The plain data Kiln's normaliser hands its training template (None when Kiln rejects earlier)."""
     from kiln_train.data.conversation import RowRejection, check_roles, parse_example, prepare_for_template
-    from kiln_train.data.row_identity import canonical_json
+    from kiln_train.data.row_identity import serde_canonical_json
 
     try:
         parsed = parse_example(row)
         check_roles(parsed)
-        conversation = prepare_for_template(parsed, canonical_json(parsed))
+        conversation = prepare_for_template(parsed, serde_canonical_json(parsed))
     except RowRejection:
         return None
     return conversation.messages, conversation.tools

@@ -30,8 +30,8 @@ from kiln import store
 from kiln.store import states
 from kiln_train import checkpoint as ckpt
 from kiln_train.artifacts.adapter import ADAPTER_MODEL, TRAIN_RECEIPT
+from kiln_train.artifacts.digest import file_digest
 from kiln_train.artifacts.fencing import RunIdentity, rehome
-from kiln_train.artifacts.provenance import file_digest
 from kiln_train.errors import KilnError
 from worker.celery_app import publish_job
 

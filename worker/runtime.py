@@ -29,8 +29,8 @@ from kiln.settings import Settings
 from kiln.store import states
 from kiln_train import checkpoint as ckpt
 from kiln_train.artifacts.adapter import ADAPTER_MODEL
+from kiln_train.artifacts.digest import file_digest
 from kiln_train.artifacts.fencing import RunIdentity, grab_leftover, take_back
-from kiln_train.artifacts.provenance import file_digest
 from kiln_train.errors import KilnError, OwnershipLost
 from kiln_train.model.resident import ResidentModel
 from kiln_train.plan.memory import available_budget

@@ -17,8 +17,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from kiln_train.artifacts.digest import file_digest, sha256_prefixed
 from kiln_train.artifacts.fencing import Fence, fenced_rename, grab_leftover, put_back
-from kiln_train.artifacts.provenance import file_digest, sha256_prefixed
 from kiln_train.checkpoint.fs import fsync_dir, rename_no_replace, write_new_file
 from kiln_train.errors import ADAPTER_ALREADY_EXISTS, INVALID_ADAPTER_NAME, KilnError, TrainingFailure
 from kiln_train.model.config import LORA_TARGET_MODULES, Qwen35Config

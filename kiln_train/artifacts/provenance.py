@@ -15,7 +15,7 @@ from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
-from kiln_train.model.config import file_sha256
+from kiln_train.artifacts.digest import file_digest, json_sha256, sha256_prefixed
 
 BASE_WEIGHT_SHARDS = "kiln.base-weight-shards.v1"
 BASE_MODEL_CONTENT = "kiln.base-model-content.v1"
@@ -24,23 +24,6 @@ KERNEL_CONTRACT = "kiln.kernel-contract.v1"
 SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PRIVATE", "AUTH", "CREDENTIAL")
 # Only the training library defines what executes; an api or docs change is not a new identity.
 PACKAGE_ROOTS = ("kiln_train",)
-
-
-def sha256_prefixed(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
-def canonical_json(obj) -> bytes:
-    """Recursive key sort, compact separators, UTF-8 unescaped (the contract's stable digest form)."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-
-
-def json_sha256(obj) -> str:
-    return sha256_prefixed(canonical_json(obj))
-
-
-def file_digest(path: str | Path) -> str:
-    return "sha256:" + file_sha256(path)
 
 
 def base_weight_shard_manifest(model_dir: str | Path) -> dict:

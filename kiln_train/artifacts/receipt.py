@@ -7,8 +7,8 @@ checkpoints' `sft_loop_state.json`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 
+from kiln_train.artifacts.digest import utc_now_rfc3339
 from kiln_train.errors import FAILURE_REASONS
 
 RECEIPT_TYPE = "kiln_train_receipt"
@@ -27,10 +27,6 @@ def _device_peak_mib(facts: RunFacts) -> float | None:
     if facts.peak_memory_bytes is None or not device.startswith("cuda"):
         return None
     return round(facts.peak_memory_bytes / 2**20, 1)
-
-
-def utc_now_rfc3339() -> str:
-    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 @dataclass

@@ -16,7 +16,6 @@ from kiln_train.checkpoint.draft import (
     sft_rng_states,
     sft_scheduler_record,
     sft_state_files,
-    utc_now_rfc3339,
 )
 from kiln_train.checkpoint.epoch_order import EPOCH_ORDER_ALGORITHM, epoch_order
 from kiln_train.checkpoint.errors import CheckpointError
@@ -113,7 +112,6 @@ __all__ = [
     "sft_rng_states",
     "sft_scheduler_record",
     "sft_state_files",
-    "utc_now_rfc3339",
     "validate_loop_state",
     "validate_manifest",
     "verify_queued_checkpoint",

@@ -22,7 +22,6 @@ The environment matches Transformers' chat-template environment: immutable sandb
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from functools import lru_cache
@@ -33,6 +32,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from kiln_train.artifacts.digest import text_sha256_hex
 from kiln_train.errors import TRAINING_BACKEND_UNSUPPORTED, KilnError, backend_unsupported
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
@@ -95,11 +95,6 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
-def sha256_text(text: str) -> str:
-    """Hex SHA-256 of a template's UTF-8 bytes (the form the receipt and provenance carry)."""
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
 def extract_spans(marked: str, expected: int | None = None) -> RenderedConversation:
     """Strip the span markers from `marked`; spans are in marker-free character coordinates.
 
@@ -145,7 +140,7 @@ class ChatTemplate:
     def __init__(self, source: str, name: str = "<template>") -> None:
         self.source = source
         self.name = name
-        self.sha256 = sha256_text(source)
+        self.sha256 = text_sha256_hex(source)
         self._compiled = _environment().from_string(source)
 
     def render_marked(self, messages: list[dict], tools: list[dict] | None = None) -> str:
@@ -184,7 +179,7 @@ def training_chat_template_sha256() -> str:
 
 def chat_template_sha256(text: str | None = None) -> str:
     """Hex SHA-256 of a model's inference chat template (default: the official Qwen3.5 one)."""
-    return sha256_text(official_chat_template() if text is None else text)
+    return text_sha256_hex(official_chat_template() if text is None else text)
 
 
 class ChatTemplateSourceError(KilnError):
@@ -266,10 +261,10 @@ def select_training_template(model_chat_template: str | None) -> ChatTemplate:
     if model_chat_template is None:
         raise backend_unsupported("the model directory has no chat template (chat_template.jinja)")
     if model_chat_template not in official_chat_templates().values():
-        known = ", ".join(f"{k} {sha256_text(v)}" for k, v in official_chat_templates().items())
+        known = ", ".join(f"{k} {text_sha256_hex(v)}" for k, v in official_chat_templates().items())
         raise backend_unsupported(
             "the model's chat template is not an official Qwen3.5 template "
-            f"(sha256 {sha256_text(model_chat_template)}; known: {known}); "
+            f"(sha256 {text_sha256_hex(model_chat_template)}; known: {known}); "
             "no verified SFT training variant exists for it"
         )
     return training_template()

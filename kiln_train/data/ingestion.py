@@ -64,11 +64,11 @@ from kiln_train.data.ingestion_receipt import (
 from kiln_train.data.labels import MASK_CONTRACT, build_labels, token_ranges
 from kiln_train.data.row_identity import (
     PARSED_ROW_DOMAIN,
-    canonical_json,
     domain_digest,
     kept_corpus_sha256,
     parsed_row_sha256,
     raw_row_sha256,
+    serde_canonical_json,
 )
 from kiln_train.errors import invalid_request
 
@@ -244,7 +244,7 @@ def _parse(obj) -> tuple[dict, str]:
     is not an SFT example."""
     parsed = parse_example(obj)
     try:
-        canonical = canonical_json(parsed)
+        canonical = serde_canonical_json(parsed)
         canonical.encode("utf-8")  # lone surrogates cannot be hashed (nor sent by a JSON encoder)
     except (TypeError, ValueError) as exc:  # TypeError: a Python caller's non-JSON value or key
         raise RowSchemaError("example", f"not representable as JSON: {exc}") from None

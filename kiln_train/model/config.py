@@ -5,7 +5,6 @@ Torch-free: the api uses it for memory admission and the optimizer support repor
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -464,12 +463,3 @@ def load_config(model_dir: str | Path) -> Qwen35Config:
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise backend_unsupported(f"{path} is not readable JSON: {exc}") from None
     return parse_config(raw)
-
-
-def file_sha256(path: str | Path) -> str:
-    """Plain SHA-256 of a file, 64 lowercase hex (no prefix)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()

@@ -17,8 +17,9 @@ import torch
 
 from kiln_train import checkpoint as ckpt
 from kiln_train.artifacts import adapter as adapter_io
+from kiln_train.artifacts.digest import json_sha256
 from kiln_train.artifacts.fencing import Fence
-from kiln_train.artifacts.provenance import git_state, json_sha256
+from kiln_train.artifacts.provenance import git_state
 from kiln_train.artifacts.receipt import RunFacts, adapter_manifest, build_receipt
 from kiln_train.checkpoint import GradNormStats
 from kiln_train.data.ingestion import IngestionResult, kept_corpus_sha256

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from kiln_train.artifacts.provenance import file_digest
+from kiln_train.artifacts.digest import file_digest
 from kiln_train.artifacts.receipt import validate_receipt
 from kiln_train.model import attach_lora, load_model
 from kiln_train.model.config import LORA_TARGET_MODULES

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from kiln_train.artifacts.adapter import adapter_config, parse_key
-from kiln_train.artifacts.provenance import file_digest, verify_provenance_digest
+from kiln_train.artifacts.digest import file_digest
+from kiln_train.artifacts.provenance import verify_provenance_digest
 from kiln_train.artifacts.receipt import validate_receipt
 from kiln_train.checkpoint import epoch_order, load_checkpoint
 from kiln_train.model.config import LORA_TARGET_MODULES
