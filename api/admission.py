@@ -28,7 +28,13 @@ from pathlib import Path
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from api.errors import IDEMPOTENCY_KEY_REUSED, ApiError
+from api.errors import (
+    IDEMPOTENCY_KEY_REUSED,
+    TRAINING_NO_RUNNER,
+    TRAINING_QUEUE_FULL,
+    TRAINING_TRACKED_FULL,
+    ApiError,
+)
 from api.queries import active_jobs_for_adapter, admission_summaries
 from api.resume_gate import ResumePoint, adopt_checkpoint_fields, check_resume_identity, load_resume_point
 from api.runner_gate import RunnerTarget, check_static_gates, check_training_template, runner_target
@@ -54,9 +60,6 @@ from kiln_train.checkpoint.publish import staging_dir_name
 from kiln_train.data.ingestion import IngestionResult, ingest_examples, ingest_jsonl, resolve_dataset_path
 from kiln_train.errors import (
     ADAPTER_ALREADY_EXISTS,
-    TRAINING_NO_RUNNER,
-    TRAINING_QUEUE_FULL,
-    TRAINING_TRACKED_FULL,
     KilnError,
     TrainingFailure,
     backend_unsupported,

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from api.errors import ApiError
 from api.runner_gate import check_training_template, runner_target
 from api.schemas import ErrorBody
 from api.services import Services
@@ -82,9 +83,7 @@ DATASET_ERRORS: dict[str, tuple[int, str]] = {
 
 def dataset_error(code: str, message: str) -> KilnError:
     status, hint = DATASET_ERRORS[code]
-    error = KilnError(code, message, hint=hint)
-    error.status = status
-    return error
+    return ApiError(code, message, hint=hint, status=status)
 
 
 # ----- response bodies ----------------------------------------------------------------------

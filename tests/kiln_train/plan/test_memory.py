@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from api.errors import http_status
 from kiln_train.errors import KilnError
 from kiln_train.model.config import QWEN35_4B_TEXT_CONFIG, parse_config
 from kiln_train.model.tiny import PRESETS
@@ -195,7 +196,7 @@ def test_absurd_sequence_length_saturates_and_never_fits():
     with pytest.raises(KilnError) as err:
         plan(U64_MAX, max_seq_len=10**18, max_supervised_tokens=10**18)
     assert err.value.code == "training_will_not_fit"
-    assert err.value.status == 413
+    assert http_status(err.value) == 413
 
 
 def test_absurd_rank_saturates():
@@ -265,7 +266,7 @@ def test_explicit_multi_segment_with_full_logits_is_invalid():
     with pytest.raises(KilnError) as err:
         plan(10**15, loss_route=FULL_LOGITS, requested_segments=2)
     assert err.value.code == "training_invalid_request"
-    assert err.value.status == 400
+    assert http_status(err.value) == 400
     assert "grad_checkpoint_segments=2" in err.value.message
     assert plan(10**15, loss_route=FULL_LOGITS, requested_segments=1).num_segments == 1
 
