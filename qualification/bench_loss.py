@@ -75,7 +75,6 @@ def _row(seq_len: int, vocab: int, step: int):
 def kiln_stepper(model_dir: str, route: str):
     from kiln_train.model import attach_lora, load_model
     from kiln_train.optim import build_optimizer
-    from kiln_train.sft_config import AdamWConfig
     from kiln_train.train.loss import sft_loss
 
     model = load_model(model_dir)
@@ -84,7 +83,7 @@ def kiln_stepper(model_dir: str, route: str):
     def setup():
         lora = attach_lora(model, RANK, ALPHA, 0)
         named = lora.named_parameters()
-        optimizer = build_optimizer(AdamWConfig(kind="adam_w"), named, LR)
+        optimizer = build_optimizer("adam_w", named, LR)
 
         def step(ids, labels):
             hidden = model.hidden_states(ids)

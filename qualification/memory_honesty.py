@@ -132,15 +132,11 @@ def train_steps(model, case: Case, device, steps: int, seed: int = 0) -> None:
     """Real steps, as `kiln_train.train.trainer` runs them."""
     from kiln_train.model import attach_lora
     from kiln_train.optim import build_optimizer
-    from kiln_train.sft_config import AdamWConfig, MuonConfig, SgdConfig
     from kiln_train.train.loss import sft_loss
 
     lora = attach_lora(model, case.rank, float(2 * case.rank), seed)
     named = lora.named_parameters()
-    opt_cfg = {"sgd": SgdConfig, "adam_w": AdamWConfig, "muon": MuonConfig}[case.optimizer](
-        kind=case.optimizer
-    )
-    optimizer = build_optimizer(opt_cfg, named, 1e-4)
+    optimizer = build_optimizer(case.optimizer, named, 1e-4)
     try:
         for step in range(steps):
             ids, labels = _make_row(case.seq_len, case.supervised, model.config.vocab_size, seed + step)

@@ -33,7 +33,7 @@ from kiln_train.errors import (
     invalid_request,
 )
 from kiln_train.model.resident import ResidentModel
-from kiln_train.optim import build_optimizer
+from kiln_train.optim import Optimizer, build_optimizer
 from kiln_train.optim.state import encode_state
 from kiln_train.sft_config import SftConfig
 from kiln_train.train.anomaly import anomaly_scan
@@ -61,6 +61,12 @@ from kiln_train.train.support import (
 )
 
 log = logging.getLogger(__name__)
+
+
+def optimizer_for(config: SftConfig, params) -> Optimizer:
+    """The optimizer `config.optimizer` names, at the run's learning rate, over `params`."""
+    choice = config.optimizer
+    return build_optimizer(choice.kind, params, config.learning_rate, **choice.model_dump(exclude={"kind"}))
 
 
 @dataclass
@@ -172,7 +178,7 @@ class SftRun:
         if c.base_adapter is not None and resume is None:
             self._warm_start(c.base_adapter)
             self.aux = {**self.aux, ckpt.BASE_ADAPTER_AUX_KEY: dict(self.base_adapter_identity)}
-        self.optimizer = build_optimizer(c.optimizer, self.lora.named_parameters(), c.learning_rate)
+        self.optimizer = optimizer_for(c, self.lora.named_parameters())
         if resume is not None:
             self._restore(resume)
 
@@ -333,7 +339,7 @@ class SftRun:
         state = self._decode(loaded, rel)
         dtype = self.model.dtype
         leaves = [(k, torch.empty(s, dtype=dtype, device="meta")) for k, s in self._lora_layout().items()]
-        probe = build_optimizer(self.config.optimizer, leaves, self.config.learning_rate)
+        probe = optimizer_for(self.config, leaves)
         where = f"checkpoint {loaded.path.name!r}: {rel}"
         step = loaded.manifest.progress.global_step
         try:

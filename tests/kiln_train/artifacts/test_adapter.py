@@ -86,8 +86,8 @@ def _first_step_params(monkeypatch) -> dict:
     seen: dict = {}
     real_build = trainer_mod.build_optimizer
 
-    def build(cfg, params, lr):
-        opt = real_build(cfg, params, lr)
+    def build(*args, **settings):
+        opt = real_build(*args, **settings)
         real_step = opt.step
 
         def step(grads):

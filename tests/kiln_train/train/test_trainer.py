@@ -46,8 +46,8 @@ def sgd_run(resident, ingestion, tmp_path_factory):
     reports, steps = [], []
     real_build = trainer_mod.build_optimizer
 
-    def build(cfg, params, lr):
-        opt = real_build(cfg, params, lr)
+    def build(*args, **settings):
+        opt = real_build(*args, **settings)
         real_step = opt.step
 
         def step(grads):

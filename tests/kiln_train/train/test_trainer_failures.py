@@ -52,8 +52,8 @@ class StepSpy:
         self.at_failure: dict | None = None
         real_build = trainer_mod.build_optimizer
 
-        def build(cfg, params, lr):
-            opt = real_build(cfg, params, lr)
+        def build(*args, **settings):
+            opt = real_build(*args, **settings)
             real_step = opt.step
 
             def step(grads):
