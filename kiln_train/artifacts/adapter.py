@@ -428,7 +428,7 @@ def check_base_adapter_files(path: Path, config: Qwen35Config, rank: int, alpha:
             )
 
 
-def check_base_adapter(
+def load_base_adapter(
     path: Path,
     config: Qwen35Config,
     rank: int,
@@ -437,7 +437,7 @@ def check_base_adapter(
     model_config_sha256: str | None = None,
     base_weights_sha256: str | None = None,
 ) -> dict:
-    """Validate a warm-start adapter against the model and the run's rank; returns its tensors.
+    """Read a warm-start adapter's tensors, validated against the model and the run's rank.
 
     `check_base_adapter_files` first, then the tensors themselves (readable, finite) and, given
     the resident digests, the provenance its `adapter_manifest.json` records.

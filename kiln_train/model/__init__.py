@@ -14,7 +14,7 @@ _EXPORTS = {
     "chunk_gated_delta_rule": "kiln_train.model.delta_rule",
     "gated_delta_rule": "kiln_train.model.delta_rule",
     "recurrent_gated_delta_rule": "kiln_train.model.delta_rule",
-    "CheckpointError": "kiln_train.model.loader",
+    "ModelCheckpointError": "kiln_train.model.loader",
     "load_model": "kiln_train.model.loader",
     "load_state_into": "kiln_train.model.loader",
     "load_tensors_into": "kiln_train.model.loader",

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from kiln_train import checkpoint as ckpt
-from kiln_train.artifacts.adapter import adapter_identity, check_adapter_name, check_base_adapter
+from kiln_train.artifacts.adapter import adapter_identity, check_adapter_name, load_base_adapter
 from kiln_train.artifacts.fencing import Fence
 from kiln_train.artifacts.receipt import RunFacts, build_receipt
 from kiln_train.data.ingestion import IngestionResult
@@ -241,7 +241,7 @@ class SftRun:
             raise TrainingFailure(
                 "base_adapter_missing", f"base_adapter {name!r} is not an adapter in the registry"
             )
-        tensors = check_base_adapter(
+        tensors = load_base_adapter(
             path,
             self.resident.config,
             self.config.lora_rank,
