@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 import shutil
@@ -17,17 +16,13 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from kiln_train.artifacts.adapter_layout import ADAPTER_CONFIG, ADAPTER_MANIFEST, ADAPTER_MODEL, TRAIN_RECEIPT
 from kiln_train.artifacts.digest import file_digest, sha256_prefixed
 from kiln_train.artifacts.fencing import Fence, fenced_rename, grab_leftover, put_back
 from kiln_train.checkpoint.fs import fsync_dir, rename_no_replace, write_new_file
 from kiln_train.errors import ADAPTER_ALREADY_EXISTS, INVALID_ADAPTER_NAME, KilnError, TrainingFailure
 from kiln_train.model.config import LORA_TARGET_MODULES, Qwen35Config
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_MODEL = "adapter_model.safetensors"
-TRAIN_RECEIPT = "train_receipt.json"
-ADAPTER_MANIFEST = "adapter_manifest.json"
-CANARY_STATUS = "adapter_canary_status.json"
 PEFT_PREFIX = "base_model.model.model."
 ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")  # matched in full
 log = logging.getLogger(__name__)
@@ -466,7 +461,3 @@ def adapter_identity(path: Path | None) -> dict:
         "adapter_model_sha256": file_digest(model),
         "adapter_model_bytes": model.stat().st_size,
     }
-
-
-def finite_or_none(x: float | None) -> float | None:
-    return x if x is not None and math.isfinite(x) else None

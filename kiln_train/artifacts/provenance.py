@@ -16,6 +16,9 @@ from importlib import metadata
 from pathlib import Path
 
 from kiln_train.artifacts.digest import file_digest, json_sha256, sha256_prefixed
+from kiln_train.data.chat_template import CHAT_TEMPLATE_FILE
+from kiln_train.data.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from kiln_train.model.config import CONFIG_FILE
 
 BASE_WEIGHT_SHARDS = "kiln.base-weight-shards.v1"
 BASE_MODEL_CONTENT = "kiln.base-model-content.v1"
@@ -60,14 +63,14 @@ def optional_file_digest(path: Path) -> str | None:
 def model_identity(model_dir: str | Path, training_chat_template_sha256: str | None) -> dict:
     """Digests of the files that define the model and its text interface."""
     d = Path(model_dir)
-    template = optional_file_digest(d / "chat_template.jinja")
-    if template is None and (d / "tokenizer_config.json").is_file():
-        tmpl = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
+    template = optional_file_digest(d / CHAT_TEMPLATE_FILE)
+    if template is None and (d / TOKENIZER_CONFIG_FILE).is_file():
+        tmpl = json.loads((d / TOKENIZER_CONFIG_FILE).read_text(encoding="utf-8")).get("chat_template")
         template = sha256_prefixed(tmpl.encode("utf-8")) if isinstance(tmpl, str) else None
     return {
-        "model_config_sha256": file_digest(d / "config.json"),
-        "tokenizer_vocab_sha256": file_digest(d / "tokenizer.json"),
-        "tokenizer_config_sha256": optional_file_digest(d / "tokenizer_config.json"),
+        "model_config_sha256": file_digest(d / CONFIG_FILE),
+        "tokenizer_vocab_sha256": file_digest(d / TOKENIZER_FILE),
+        "tokenizer_config_sha256": optional_file_digest(d / TOKENIZER_CONFIG_FILE),
         "chat_template_sha256": template,
         "training_chat_template_sha256": training_chat_template_sha256,
     }

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kiln_train.artifacts.adapter_layout import ADAPTER_CONFIG, ADAPTER_MODEL, TRAIN_RECEIPT
 from kiln_train.artifacts.digest import utc_now_rfc3339
 from kiln_train.errors import FAILURE_REASONS
+from kiln_train.model.config import ATTENTION_TARGETS, GDN_TARGETS, MLP_TARGETS
 
 RECEIPT_TYPE = "kiln_train_receipt"
 ADAPTER_MANIFEST_TYPE = "kiln_adapter_manifest"
@@ -231,47 +233,6 @@ def build_receipt(
     return receipt
 
 
-def validate_receipt(receipt: dict) -> None:
-    """Reader validation of kiln-contract §4.2: envelope and SFT cross-bindings. Raises ValueError."""
-    if receipt.get("schema_version") != 1 or receipt.get("receipt_type") != RECEIPT_TYPE:
-        raise ValueError("not a kiln_train_receipt v1")
-    if not receipt.get("adapter_name"):
-        raise ValueError("adapter_name must be non-empty")
-    status = receipt.get("status")
-    if status not in ("success", "failed"):
-        raise ValueError(f"bad status {status!r}")
-    if status == "success" and receipt.get("failure_reason") is not None:
-        raise ValueError("a successful receipt has no failure_reason")
-    if status == "failed" and receipt.get("failure_reason") not in FAILURE_REASONS:
-        raise ValueError(f"unknown failure_reason {receipt.get('failure_reason')!r}")
-    if receipt["hyperparameters"].get("mode") != "sft":
-        raise ValueError("hyperparameters.mode must be sft")
-    ing = receipt["data"].get("sft_ingestion")
-    if ing is None:
-        raise ValueError("SFT receipts carry data.sft_ingestion")
-    td = receipt["training_data"]
-    if td["source"] != ing["source"] or td["path"] != ing.get("source_locator"):
-        raise ValueError("training_data source/path disagree with data.sft_ingestion")
-    if td["sha256"] != ing["kept_corpus_sha256"]:
-        raise ValueError("training_data.sha256 differs from the kept-corpus digest")
-    if receipt["data"]["examples_read"] != ing["rows_read"]:
-        raise ValueError("data.examples_read differs from rows_read")
-    if receipt["data"]["examples_filtered"] != ing["rows_rejected"]:
-        raise ValueError("data.examples_filtered differs from rows_rejected")
-    if receipt["config"].get("invalid_row_policy") != ing["invalid_row_policy"]:
-        raise ValueError("config.invalid_row_policy differs from the ingestion policy")
-    tok, hashes = receipt["tokenizer"], receipt["config_hashes"]
-    if tok.get("training_chat_template_hash") != hashes.get("training_chat_template_hash"):
-        raise ValueError("training chat template digests disagree")
-    prov = receipt["runtime"].get("execution_provenance")
-    if prov is not None:
-        prov_tmpl = prov.get("model", {}).get("training_chat_template_sha256")
-        if prov_tmpl is not None and prov_tmpl != tok.get("training_chat_template_hash"):
-            raise ValueError("execution provenance template digest disagrees with the tokenizer section")
-    if receipt["runtime"].get("sft_loss_route") is None:
-        raise ValueError("runtime.sft_loss_route is required for SFT")
-
-
 def adapter_manifest(receipt: dict, hashes: dict, *, parent_adapter: str | None) -> dict:
     """`adapter_manifest.json` (kiln-contract §6.4), written only for a successful run."""
     ident = receipt["tokenizer"]
@@ -294,13 +255,13 @@ def adapter_manifest(receipt: dict, hashes: dict, *, parent_adapter: str | None)
         "training_data_path": receipt["training_data"]["path"],
         "openenv_training_data": None,
         "target_modules": {
-            "full_attention": ["q_proj", "k_proj", "v_proj", "o_proj"],
-            "gated_deltanet": ["in_proj_qkv", "in_proj_z", "out_proj"],
-            "mlp": ["gate_proj", "up_proj", "down_proj"],
+            "full_attention": list(ATTENTION_TARGETS),
+            "gated_deltanet": list(GDN_TARGETS),
+            "mlp": list(MLP_TARGETS),
         },
         "files": {
-            "adapter_model": "adapter_model.safetensors",
-            "adapter_config": "adapter_config.json",
-            "train_receipt": "train_receipt.json",
+            "adapter_model": ADAPTER_MODEL,
+            "adapter_config": ADAPTER_CONFIG,
+            "train_receipt": TRAIN_RECEIPT,
         },
     }

@@ -18,6 +18,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from kiln_train.artifacts.adapter_layout import ADAPTER_CONFIG, ADAPTER_MODEL
 from kiln_train.artifacts.digest import sha256_hex
 from kiln_train.checkpoint import fs
 from kiln_train.checkpoint.errors import CheckpointError
@@ -34,7 +35,7 @@ from kiln_train.checkpoint.manifest import (
 )
 from kiln_train.checkpoint.rules import validate_manifest
 
-PEFT_MARKERS = ("adapter_config.json", "adapter_model.safetensors")
+PEFT_MARKERS = (ADAPTER_CONFIG, ADAPTER_MODEL)
 PEFT_MESSAGE = "PEFT adapter snapshots are not resumable checkpoints"
 
 

@@ -33,8 +33,11 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kiln_train.artifacts.digest import text_sha256_hex
+from kiln_train.data.tokenizer import TOKENIZER_CONFIG_FILE
 from kiln_train.errors import TRAINING_BACKEND_UNSUPPORTED, KilnError, backend_unsupported
 
+# A model directory's own template, beside its tokenizer files.
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 INFERENCE_TEMPLATE_FILE = TEMPLATE_DIR / "qwen3_5_chat_template.jinja"
 # The template Qwen3.5-2B and smaller ship (TRL's `qwen3_5_nothink.jinja`): the think template with
@@ -46,7 +49,6 @@ TRAINING_TEMPLATE_FILE = TEMPLATE_DIR / "qwen3_5_training.jinja"
 # in a row's data fails that row (conversation.py) before rendering; `render` re-checks the output.
 SPAN_OPEN = "\ufdd0"
 SPAN_CLOSE = "\ufdd1"
-SPAN_MARKERS = (SPAN_OPEN, SPAN_CLOSE)
 
 
 class TemplateRenderError(ValueError):
@@ -203,7 +205,7 @@ def load_model_chat_template(model_dir: str | Path) -> str | None:
     the file and field, instead of a UnicodeDecodeError / AttributeError, or "no chat template".
     """
     root = Path(model_dir)
-    jinja_file = root / "chat_template.jinja"
+    jinja_file = root / CHAT_TEMPLATE_FILE
     if jinja_file.is_file():
         try:
             return jinja_file.read_bytes().decode("utf-8")
@@ -212,7 +214,7 @@ def load_model_chat_template(model_dir: str | Path) -> str | None:
                 f"chat_template.jinja in {root} is not UTF-8 text ({exc.reason} at byte {exc.start})",
                 jinja_file.name,
             ) from None
-    config_file = root / "tokenizer_config.json"
+    config_file = root / TOKENIZER_CONFIG_FILE
     if not config_file.is_file():
         return None
     try:

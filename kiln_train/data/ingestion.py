@@ -61,7 +61,7 @@ from kiln_train.data.ingestion_receipt import (
     build_ingestion_receipt,
     validate_ingestion_receipt,
 )
-from kiln_train.data.labels import MASK_CONTRACT, build_labels, token_ranges
+from kiln_train.data.labels import MASK_CONTRACT, label_encoding
 from kiln_train.data.row_identity import (
     PARSED_ROW_DOMAIN,
     domain_digest,
@@ -351,7 +351,7 @@ def _back(pending: list[_Pending], tokenizer, t: IngestionTimings) -> list[RowOu
             )
             continue
         ids = enc.ids
-        labels = build_labels(ids, token_ranges(enc, p.rendered.spans))
+        labels = label_encoding(enc, p.rendered.spans)
         if labels.supervised_tokens == 0:
             out.append(
                 RowOutcome(

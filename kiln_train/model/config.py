@@ -12,25 +12,16 @@ from pathlib import Path
 
 from kiln_train.errors import backend_unsupported
 
+CONFIG_FILE = "config.json"
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
 
-# The ten LoRA targets of the contract, in the contract's order (kiln-contract §6.2).
-LORA_TARGET_MODULES = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "in_proj_qkv",
-    "in_proj_z",
-    "out_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
+# The ten LoRA targets of the contract, in the contract's order (kiln-contract §6.2): the
+# full-attention projections, the Gated DeltaNet projections, then the MLP's.
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 GDN_TARGETS = ("in_proj_qkv", "in_proj_z", "out_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+LORA_TARGET_MODULES = ATTENTION_TARGETS + GDN_TARGETS + MLP_TARGETS
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -108,10 +99,6 @@ class Qwen35Config:
     @property
     def linear_conv_dim(self) -> int:
         return 2 * self.linear_key_dim + self.linear_value_dim
-
-    @property
-    def num_full_attention_layers(self) -> int:
-        return sum(1 for t in self.layer_types if t == FULL_ATTENTION)
 
     @property
     def dtype_bytes(self) -> int:
@@ -455,7 +442,7 @@ def load_config(model_dir: str | Path) -> Qwen35Config:
         raise backend_unsupported(
             f"model directory {model_dir} is not a directory (give the checkpoint's folder)"
         )
-    path = root / "config.json"
+    path = root / CONFIG_FILE
     if not path.is_file():
         raise backend_unsupported(f"no config.json in model directory {model_dir}")
     try:

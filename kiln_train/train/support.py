@@ -17,6 +17,7 @@ import torch
 
 from kiln_train import checkpoint as ckpt
 from kiln_train.artifacts import adapter as adapter_io
+from kiln_train.artifacts.adapter_layout import FAILED_RECEIPTS_DIR, TRAIN_RECEIPT
 from kiln_train.artifacts.digest import json_sha256
 from kiln_train.artifacts.fencing import Fence
 from kiln_train.artifacts.provenance import git_state
@@ -35,7 +36,6 @@ from kiln_train.sft_config import MAX_LORA_ALPHA_OVER_RANK, SftConfig
 log = logging.getLogger(__name__)
 
 DIVERGENCE_RATIO, DIVERGENCE_MARGIN = 8.0, 5.0
-FAILED_RECEIPTS_DIR = ".failed"
 
 # The training scope (seed 000 "Tape authority"): set only inside forward/backward of a step.
 TRAINING_SCOPE: ContextVar[bool] = ContextVar("kiln_training_scope", default=False)
@@ -173,7 +173,7 @@ def check_config_for_training(
 
 
 def failed_receipt_path(registry: Path, adapter_name: str, run_id: str) -> Path:
-    return registry / FAILED_RECEIPTS_DIR / adapter_name / f"{run_id}.train_receipt.json"
+    return registry / FAILED_RECEIPTS_DIR / adapter_name / f"{run_id}.{TRAIN_RECEIPT}"
 
 
 def write_failed_receipt(registry: Path, adapter_name: str, run_id: str, receipt: dict) -> Path:

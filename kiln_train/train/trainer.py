@@ -22,6 +22,7 @@ import torch
 
 from kiln_train import checkpoint as ckpt
 from kiln_train.artifacts.adapter import adapter_identity, check_adapter_name, load_base_adapter
+from kiln_train.artifacts.adapter_layout import CANARY_STATUS, TRAIN_RECEIPT
 from kiln_train.artifacts.fencing import Fence
 from kiln_train.artifacts.receipt import RunFacts, build_receipt
 from kiln_train.data.ingestion import IngestionResult
@@ -188,9 +189,7 @@ class SftRun:
         if self.fence is None:
             return False
         try:
-            receipt = json.loads(
-                (self.registry / self.adapter_name / "train_receipt.json").read_text("utf-8")
-            )
+            receipt = json.loads((self.registry / self.adapter_name / TRAIN_RECEIPT).read_text("utf-8"))
         except (OSError, ValueError):
             return False
         return isinstance(receipt, dict) and self.fence.leftover_adapter(receipt)
@@ -694,11 +693,7 @@ def _train_sft(
         if config.adapter_smoke_test:
             smoke = run_smoke_test(resident.model, resident.tokenizer, config.smoke_prompts())
         _settle(facts, run, t0, device, smoke, epochs_done=config.epochs)
-        extra = (
-            {"adapter_canary_status.json": json.dumps(canary_status(smoke), indent=2).encode()}
-            if smoke
-            else None
-        )
+        extra = {CANARY_STATUS: json.dumps(canary_status(smoke), indent=2).encode()} if smoke else None
         parent = run.config.base_adapter
         path, receipt = publish_success(
             resident, facts, registry, tensors, parent_adapter=parent, extra_files=extra, fence=fence
@@ -708,7 +703,7 @@ def _train_sft(
             adapter_name=name,
             adapter_path=path,
             receipt=receipt,
-            receipt_path=path / "train_receipt.json",
+            receipt_path=path / TRAIN_RECEIPT,
             global_step=run.loop.global_step,
             total_steps=run.total_steps,
             final_loss=run.loop.loss_history[-1] if run.loop.loss_history else None,

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from kiln_train.artifacts.digest import file_digest
-from kiln_train.artifacts.receipt import validate_receipt
 from kiln_train.model import attach_lora, load_model
 from kiln_train.model.config import LORA_TARGET_MODULES
 from kiln_train.train import trainer as trainer_mod
+from tests.kiln_train.artifacts.receipt_checks import validate_receipt
 from tests.kiln_train.train import trainer_fixtures as fx
 from tests.kiln_train.train.trainer_fixtures import (
     conversations,

@@ -17,10 +17,10 @@ from safetensors.torch import load_file
 from kiln_train.artifacts.adapter import adapter_config, parse_key
 from kiln_train.artifacts.digest import file_digest
 from kiln_train.artifacts.provenance import verify_provenance_digest
-from kiln_train.artifacts.receipt import validate_receipt
 from kiln_train.checkpoint import epoch_order, load_checkpoint
 from kiln_train.model.config import LORA_TARGET_MODULES
 from kiln_train.train import trainer as trainer_mod
+from tests.kiln_train.artifacts.receipt_checks import validate_receipt
 from tests.kiln_train.train import trainer_fixtures as fx
 from tests.kiln_train.train.trainer_fixtures import conversations, ingest, make_config, read_json, train
 

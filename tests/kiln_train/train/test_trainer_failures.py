@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln_train.artifacts.receipt import validate_receipt
 from kiln_train.checkpoint import load_checkpoint
 from kiln_train.model import attach_lora
 from kiln_train.model.resident import load_resident
 from kiln_train.train import trainer as trainer_mod
 from kiln_train.train.trainer import SftRun
+from tests.kiln_train.artifacts.receipt_checks import validate_receipt
 from tests.kiln_train.train import trainer_fixtures as fx
 from tests.kiln_train.train.trainer_fixtures import conversations, failed_receipt, ingest, make_config, train
 
