@@ -66,7 +66,8 @@ from kiln_train.errors import (
     invalid_request,
 )
 from kiln_train.model.config import Qwen35Config
-from kiln_train.plan.memory import SegmentPlan, available_budget, check_row_plan_fits, plan_segments
+from kiln_train.plan.budget import available_budget
+from kiln_train.plan.segments import SegmentPlan, check_row_plan_fits, plan_segments
 from kiln_train.sft_config import SftConfig, SftRequest, parse_sft_request
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ checkpointed step), release freed heap memory, then take the baseline. Then atta
 exactly as the trainer does (`hidden_states` with the segment count, `sft_loss` on the route,
 `backward`, the gradient dict, `optimizer.step`, grads released), and measure the peak:
 
-- cpu: with the worker's allocator policy (`kiln_train.plan.memory.apply_cpu_allocator_policy`),
+- cpu: with the worker's allocator policy (`kiln_train.plan.budget.apply_cpu_allocator_policy`),
   peak RSS (`VmHWM`, reset with `/proc/self/clear_refs` after the baseline) minus the RSS
   at the baseline: what the process really took from the machine, allocator slack included;
 - cuda: `torch.cuda.max_memory_allocated()` minus the allocated bytes at the baseline.
@@ -169,7 +169,7 @@ def run_child(model_dir: str, device_name: str, case: Case) -> dict:
     import torch
 
     from kiln_train.model import load_model
-    from kiln_train.plan.memory import apply_cpu_allocator_policy
+    from kiln_train.plan.budget import apply_cpu_allocator_policy
 
     torch.manual_seed(0)
     device = torch.device(device_name)

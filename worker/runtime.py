@@ -33,7 +33,7 @@ from kiln_train.artifacts.digest import file_digest
 from kiln_train.artifacts.fencing import RunIdentity, grab_leftover, take_back
 from kiln_train.errors import KilnError, OwnershipLost
 from kiln_train.model.resident import ResidentModel
-from kiln_train.plan.memory import available_budget
+from kiln_train.plan.budget import available_budget
 from kiln_train.train.support import StepReport, TrainResult
 from kiln_train.train.trainer import train_sft
 from worker.fence import JobFence

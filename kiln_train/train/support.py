@@ -30,7 +30,8 @@ from kiln_train.model.config import LORA_TARGET_MODULES
 from kiln_train.model.resident import ResidentModel
 from kiln_train.plan.backend import FULL_LOGITS
 from kiln_train.plan.formulas import checkpoint_boundary_policy
-from kiln_train.plan.memory import estimate, row_segments
+from kiln_train.plan.memory import estimate
+from kiln_train.plan.segments import row_segments
 from kiln_train.sft_config import MAX_LORA_ALPHA_OVER_RANK, SftConfig
 
 log = logging.getLogger(__name__)

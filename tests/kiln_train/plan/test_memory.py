@@ -13,26 +13,16 @@ from kiln_train.errors import KilnError
 from kiln_train.model.config import QWEN35_4B_TEXT_CONFIG, parse_config
 from kiln_train.model.tiny import PRESETS
 from kiln_train.plan.backend import FULL_LOGITS, KT_TAPE_FLCE, backend_for_device
+from kiln_train.plan.budget import available_budget, cpu_available_bytes
 from kiln_train.plan.formulas import (
     attention_layer_bytes,
     gdn_layer_bytes,
     segment_layer_ranges,
     vocab_chunk_size,
 )
-from kiln_train.plan.memory import (
-    GIB,
-    U64_MAX,
-    available_budget,
-    check_row_plan_fits,
-    cpu_available_bytes,
-    dominant_component,
-    estimate,
-    max_rank_that_fits,
-    plan_segments,
-    row_segments,
-    saturate,
-    will_not_fit_message,
-)
+from kiln_train.plan.memory import GIB, U64_MAX, estimate, saturate
+from kiln_train.plan.refusal import dominant_component, will_not_fit_message
+from kiln_train.plan.segments import check_row_plan_fits, max_rank_that_fits, plan_segments, row_segments
 
 # The `small` preset of kiln_train.model.tiny: 8 narrow layers under the full vocabulary.
 SMALL = parse_config({**PRESETS["small"], "dtype": "bfloat16"})
@@ -441,7 +431,8 @@ def test_cpu_available_bytes_reads_meminfo_and_cgroup(tmp_path):
 
 def test_memory_modules_do_not_import_torch():
     code = (
-        "import sys, kiln_train.plan.memory, kiln_train.plan.formulas; "
+        "import sys, kiln_train.plan.memory, kiln_train.plan.formulas, kiln_train.plan.segments, "
+        "kiln_train.plan.budget, kiln_train.plan.refusal; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
