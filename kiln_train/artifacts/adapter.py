@@ -19,6 +19,7 @@ from pathlib import Path
 from kiln_train.artifacts.adapter_layout import ADAPTER_CONFIG, ADAPTER_MANIFEST, ADAPTER_MODEL, TRAIN_RECEIPT
 from kiln_train.artifacts.digest import file_digest, sha256_prefixed
 from kiln_train.artifacts.fencing import Fence, fenced_rename, grab_leftover, put_back
+from kiln_train.artifacts.receipt import NULL_ADAPTER_IDENTITY
 from kiln_train.checkpoint.fs import fsync_dir, rename_no_replace, write_new_file
 from kiln_train.errors import ADAPTER_ALREADY_EXISTS, INVALID_ADAPTER_NAME, KilnError, TrainingFailure
 from kiln_train.model.config import LORA_TARGET_MODULES, Qwen35Config
@@ -454,7 +455,7 @@ def load_base_adapter(
 def adapter_identity(path: Path | None) -> dict:
     """`adapters.base` / `adapters.output` receipt object for an adapter directory (or null path)."""
     if path is None:
-        return {"path": None, "adapter_model_sha256": None, "adapter_model_bytes": None}
+        return dict(NULL_ADAPTER_IDENTITY)
     model = path / ADAPTER_MODEL
     return {
         "path": str(path),
