@@ -7,7 +7,7 @@ reading that the api's memory admission needs) import without torch.
 
 from __future__ import annotations
 
-import importlib
+from kiln_train import lazy_getattr
 
 _EXPORTS = {
     "segment_bounds": "kiln_train.model.checkpointing",
@@ -28,8 +28,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kiln_train.model' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

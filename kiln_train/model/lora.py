@@ -140,3 +140,10 @@ def attach_lora(model, rank: int, alpha: float, seed: int, dtype: torch.dtype | 
     lora = LoraSet(rank, alpha, int(seed), entries, modules)
     model.lora = lora
     return lora
+
+
+def release_lora(model) -> None:
+    """Detach whatever LoRA set is attached, leaving the resident base model as loaded."""
+    lora = getattr(model, "lora", None)
+    if lora is not None:
+        lora.remove(model)

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from kiln_train.artifacts.digest import file_digest
 from kiln_train.model import attach_lora, load_model
 from kiln_train.model.config import LORA_TARGET_MODULES
-from kiln_train.train import trainer as trainer_mod
+from kiln_train.train import optimizer as optimizer_mod
 from tests.kiln_train.artifacts.receipt_checks import validate_receipt
 from tests.kiln_train.train import trainer_fixtures as fx
 from tests.kiln_train.train.trainer_fixtures import (
@@ -84,7 +84,7 @@ def test_our_adapter_loads_in_peft_with_the_same_logits(tiny_dir, registry):
 def _first_step_params(monkeypatch) -> dict:
     """Records the leaves, optimizer counters and state as the first optimizer step starts."""
     seen: dict = {}
-    real_build = trainer_mod.build_optimizer
+    real_build = optimizer_mod.build_optimizer
 
     def build(*args, **settings):
         opt = real_build(*args, **settings)
@@ -103,7 +103,7 @@ def _first_step_params(monkeypatch) -> dict:
         opt.step = step
         return opt
 
-    monkeypatch.setattr(trainer_mod, "build_optimizer", build)
+    monkeypatch.setattr(optimizer_mod, "build_optimizer", build)
     return seen
 
 

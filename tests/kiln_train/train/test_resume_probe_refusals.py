@@ -353,8 +353,9 @@ def test_a_flipped_byte_anywhere_in_a_state_file_names_it(
 @pytest.fixture
 def validate_resume(resident, ingestion, tmp_path):
     """The trainer's own resume validation (`SftRun._load_resume`) of a checkpoint directory."""
-    from kiln_train.train.support import auxiliary_state, default_checkpoint_plan, per_row_plan
-    from kiln_train.train.trainer import SftRun
+    from kiln_train.train.identity import auxiliary_state
+    from kiln_train.train.run import SftRun
+    from kiln_train.train.segment_plan import default_checkpoint_plan, per_row_plan
 
     config = make_config(**CONFIG)
     run = SftRun(
