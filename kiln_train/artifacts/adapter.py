@@ -247,12 +247,7 @@ def check_adapter_provenance(
     manifest_path = path / ADAPTER_MANIFEST
     if not manifest_path.is_file():
         return
-    try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TrainingFailure("adapter_load_failed", f"{manifest_path} is not readable JSON: {exc}") from None
-    if not isinstance(manifest, dict):
-        raise TrainingFailure("adapter_load_failed", f"{manifest_path} is not a JSON object")
+    manifest = _read_json_object(manifest_path)
     if manifest.get("safetensors_hash") != file_digest(path / ADAPTER_MODEL):
         raise TrainingFailure(
             "adapter_load_failed",
@@ -369,14 +364,18 @@ def _safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 
 def _read_adapter_config(path: Path) -> dict:
-    cfg_path = path / ADAPTER_CONFIG
+    return _read_json_object(path / ADAPTER_CONFIG)
+
+
+def _read_json_object(path: Path) -> dict:
+    """A JSON object file of the adapter; anything else is `adapter_load_failed`."""
     try:
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+        obj = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TrainingFailure("adapter_load_failed", f"{cfg_path} is not readable JSON: {exc}") from None
-    if not isinstance(cfg, dict):
-        raise TrainingFailure("adapter_load_failed", f"{cfg_path} is not a JSON object")
-    return cfg
+        raise TrainingFailure("adapter_load_failed", f"{path} is not readable JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise TrainingFailure("adapter_load_failed", f"{path} is not a JSON object")
+    return obj
 
 
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
