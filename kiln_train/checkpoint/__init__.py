@@ -25,7 +25,6 @@ from kiln_train.checkpoint.load import (
     LoadedCheckpoint,
     checkpoint_names,
     discover_checkpoints,
-    latest_valid_checkpoint,
     load_checkpoint,
     read_checkpoint_manifest,
 )
@@ -99,7 +98,6 @@ __all__ = [
     "compare_for_resume",
     "discover_checkpoints",
     "epoch_order",
-    "latest_valid_checkpoint",
     "load_checkpoint",
     "parse_loop_state",
     "parse_manifest_bytes",

@@ -241,9 +241,3 @@ def checkpoint_names(registry_dir: Path, adapter_name: str) -> dict[int, str]:
             if match is not None and entry.name == checkpoint_dir_name(adapter_name, int(match.group(1))):
                 found[int(match.group(1))] = entry.name
     return dict(sorted(found.items()))
-
-
-def latest_valid_checkpoint(registry_dir: Path, adapter_name: str) -> DiscoveredCheckpoint | None:
-    """The highest-step checkpoint of the adapter whose manifest validates, or None."""
-    valid = [c for c in discover_checkpoints(registry_dir, adapter_name) if c.valid]
-    return valid[-1] if valid else None

@@ -279,7 +279,7 @@ def _float_field(d: dict, name: str, default: float, *, where: str = "") -> floa
 
 def _refuse_foreign(raw: dict, text: dict) -> None:
     """Mixture-of-Experts and non-Qwen3.5 configs are refused, never loaded as a dense model."""
-    for scope, d in (("config.json", raw), ("text_config", text)):
+    for scope, d in ((CONFIG_FILE, raw), ("text_config", text)):
         model_type = d.get("model_type")
         archs = d.get("architectures") or []
         archs = [str(a) for a in archs] if isinstance(archs, list) else [str(archs)]

@@ -27,7 +27,6 @@ from kiln_train import model as model_pkg
 from kiln_train.checkpoint import (
     CheckpointError,
     discover_checkpoints,
-    latest_valid_checkpoint,
     load_checkpoint,
 )
 from kiln_train.checkpoint import publish as publish_module
@@ -471,7 +470,7 @@ def test_the_newest_of_two_checkpoints_corrupt(
     data = bytearray((newest / ADAPTER).read_bytes())
     data[len(data) // 2] ^= 0x01
     (newest / ADAPTER).write_bytes(bytes(data))
-    assert latest_valid_checkpoint(root, NAME).path == newest
+    assert [c for c in discover_checkpoints(root, NAME) if c.valid][-1].path == newest
     before = sorted(p.name for p in root.iterdir())
     result = _resume(resident, ingestion, root, newest)
     _refused(result, root, attach_calls, newest.name, "files['adapter.safetensors'].sha256", before=before)
