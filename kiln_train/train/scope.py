@@ -1,5 +1,5 @@
-"""The training scope (seed 000 "Tape authority"): set only inside the forward and backward of a
-step, so code that must never record gradients (the canary's generation) can tell."""
+"""The training scope: gradients are recorded only inside the forward and backward of a step,
+and the scope says so to code that must never run under it (the canary's generation)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Reader checks of a `train_receipt.json` (kiln-contract §4.2) that tests apply to every receipt
-a run writes: the envelope and the SFT cross-bindings between its sections."""
+"""Reader checks that tests apply to every `train_receipt.json` a run writes: the envelope and the
+SFT cross-bindings between its sections."""
 
 from __future__ import annotations
 
