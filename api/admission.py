@@ -37,7 +37,13 @@ from api.admission_checks import (
     request_fingerprint,
 )
 from api.admission_plan import AdmissionPlan, admission_fields, first_event, job_fields, prepare_plan
-from api.errors import IDEMPOTENCY_KEY_REUSED, ApiError
+from api.errors import (
+    IDEMPOTENCY_KEY_REUSED,
+    TRAINING_NO_RUNNER,
+    TRAINING_QUEUE_FULL,
+    TRAINING_TRACKED_FULL,
+    ApiError,
+)
 from api.queries import active_jobs_for_adapter, admission_summaries
 from api.runner_gate import check_static_gates, runner_target
 from api.services import Services
@@ -56,9 +62,6 @@ from kiln.store import (
 from kiln_train.checkpoint.manifest import CHECKPOINT_SUFFIX
 from kiln_train.errors import (
     ADAPTER_ALREADY_EXISTS,
-    TRAINING_NO_RUNNER,
-    TRAINING_QUEUE_FULL,
-    TRAINING_TRACKED_FULL,
     KilnError,
 )
 from kiln_train.sft_config import SftRequest, parse_sft_request

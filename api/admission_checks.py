@@ -10,10 +10,10 @@ import hmac
 from dataclasses import dataclass
 from pathlib import Path
 
-from api.json_text import canonical_sha256
 from api.resume_gate import NAME_MAX_BYTES
 from kiln.store import Admission
 from kiln_train.artifacts.adapter import ADAPTER_NAME_RE, check_base_adapter_files
+from kiln_train.artifacts.digest import json_sha256
 from kiln_train.checkpoint.manifest import CHECKPOINT_SUFFIX, checkpoint_dir_name
 from kiln_train.checkpoint.publish import staging_dir_name
 from kiln_train.errors import TrainingFailure, invalid_request
@@ -27,7 +27,7 @@ DATASET_PATH_MAX = Admission.__table__.c.dataset_path.type.length
 
 def request_fingerprint(body: object) -> str:
     """SHA-256 of the body's canonical JSON: the same request, however it was formatted."""
-    return canonical_sha256(body)
+    return json_sha256(body)
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,12 @@ from api.resume_gate import ResumePoint, adopt_checkpoint_fields, check_resume_i
 from api.runner_gate import RunnerTarget, check_static_gates, check_training_template
 from api.services import Services
 from kiln.store import new_job_id, states
-from kiln_train.artifacts.provenance import json_sha256
+from kiln_train.artifacts.digest import json_sha256
 from kiln_train.checkpoint.manifest import CHECKPOINT_PLAN_AUX_KEY
 from kiln_train.data.ingestion import IngestionResult, ingest_examples, ingest_jsonl, resolve_dataset_path
 from kiln_train.errors import backend_unsupported
-from kiln_train.plan.memory import SegmentPlan, available_budget, check_row_plan_fits, plan_segments
+from kiln_train.plan.budget import available_budget
+from kiln_train.plan.segments import SegmentPlan, check_row_plan_fits, plan_segments
 from kiln_train.sft_config import SftConfig, SftRequest
 
 CHECKPOINT_BOUNDARY = "contiguous"

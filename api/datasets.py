@@ -34,10 +34,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from api.errors import ApiError
 from api.runner_gate import check_training_template, runner_target
 from api.schemas import ErrorBody
 from api.services import Services
 from kiln.store import Admission, Job, live_runner, states
+from kiln_train.artifacts.digest import file_digest
 from kiln_train.data.ingestion import (
     RowOutcome,
     apply_invalid_row_policy,
@@ -81,9 +83,7 @@ DATASET_ERRORS: dict[str, tuple[int, str]] = {
 
 def dataset_error(code: str, message: str) -> KilnError:
     status, hint = DATASET_ERRORS[code]
-    error = KilnError(code, message, hint=hint)
-    error.status = status
-    return error
+    return ApiError(code, message, hint=hint, status=status)
 
 
 # ----- response bodies ----------------------------------------------------------------------
@@ -180,14 +180,6 @@ def dataset_file(datasets_dir: Path, name: str) -> Path:
     if not path.is_file() or path.is_symlink():
         raise dataset_error(DATASET_NOT_FOUND, f"no dataset named {name!r}")
     return path
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(CHUNK), b""):
-            h.update(chunk)
-    return "sha256:" + h.hexdigest()
 
 
 def _rfc3339(timestamp: float) -> str:
@@ -430,7 +422,7 @@ def describe_dataset(svc: Services, name: str) -> DatasetInfo:
     """A dataset with its facts: recorded at upload, or computed now for a copied-in file."""
     root = svc.settings.datasets_dir
     path = dataset_file(root, name)
-    sha256 = file_sha256(path)
+    sha256 = file_digest(path)
     record = _read_sidecar(root, name, path.stat().st_size)
     if record is not None and record.get("sha256") == sha256:
         return _info(path, record, sha256, None)

@@ -17,11 +17,33 @@ from flask import Flask, Response, jsonify
 from sqlalchemy import exc as sa_exc
 from werkzeug.exceptions import HTTPException
 
-from kiln_train.errors import TRAINING_REQUEST_TOO_LARGE, KilnError
+from kiln.store.errors import (
+    ADAPTER_NOT_FOUND,
+    TRAINING_JOB_ALREADY_STARTED,
+    TRAINING_JOB_NOT_CANCELLABLE,
+    TRAINING_JOB_NOT_FOUND,
+)
+from kiln_train.errors import (
+    ADAPTER_ALREADY_EXISTS,
+    INVALID_ADAPTER_NAME,
+    TRAINING_BACKEND_UNSUPPORTED,
+    TRAINING_INVALID_REQUEST,
+    TRAINING_WILL_NOT_FIT,
+    KilnError,
+)
 
 log = logging.getLogger(__name__)
 
-# Codes the service adds beside the contract's (kiln_train.errors.ERROR_CATALOG).
+# Contract codes only the service raises (the library's are in kiln_train.errors, the job
+# store's in kiln.store.errors).
+TRAINING_REQUEST_TOO_LARGE = "training_request_too_large"
+TRAINING_QUEUE_FULL = "training_queue_full"
+TRAINING_TRACKED_FULL = "training_tracked_full"
+TRAINING_ADMISSION_BUSY = "training_admission_busy"
+TRAINING_NO_RUNNER = "training_no_runner"
+SERVER_SHUTTING_DOWN = "server_shutting_down"
+ADAPTER_ACTIVE = "adapter_active"
+# Codes the service adds beside the contract's.
 UNAUTHORIZED = "unauthorized"
 NOT_FOUND = "not_found"
 METHOD_NOT_ALLOWED = "method_not_allowed"
@@ -35,8 +57,41 @@ ADMISSION_BUSY = "admission_busy"
 
 MEMORY_BREAKDOWN_HEADER = "Kiln-Memory-Breakdown"
 
-# code -> (status, Retry-After seconds or None, static hint)
-API_ERRORS: dict[str, tuple[int, int | None, str]] = {
+# code -> (HTTP status, Retry-After seconds or None, static hint); a None hint: the error's own
+# (the library's codes carry theirs, kiln_train.errors.ERROR_TEXT). A code not listed is a 500.
+API_ERRORS: dict[str, tuple[int, int | None, str | None]] = {
+    # raised by the training library
+    TRAINING_INVALID_REQUEST: (400, None, None),
+    TRAINING_BACKEND_UNSUPPORTED: (501, None, None),
+    TRAINING_WILL_NOT_FIT: (413, None, None),
+    INVALID_ADAPTER_NAME: (400, None, None),
+    ADAPTER_ALREADY_EXISTS: (409, None, None),
+    # raised by the job store
+    TRAINING_JOB_NOT_FOUND: (404, None, "List jobs with GET /v1/train/status."),
+    TRAINING_JOB_NOT_CANCELLABLE: (409, None, "The job already finished; nothing to cancel."),
+    TRAINING_JOB_ALREADY_STARTED: (
+        409,
+        None,
+        "The job left the queue while the cancel was processed; cancel it again to stop it cooperatively.",
+    ),
+    ADAPTER_NOT_FOUND: (404, None, "List adapters with GET /v1/adapters."),
+    # the rest of the contract's codes, raised by the service
+    TRAINING_REQUEST_TOO_LARGE: (
+        413,
+        None,
+        "Send the data as a server-local dataset_path under the storage root's datasets/ directory.",
+    ),
+    TRAINING_QUEUE_FULL: (503, 30, "The training queue is full; retry after the Retry-After delay."),
+    TRAINING_TRACKED_FULL: (503, 30, "Too many tracked jobs; delete finished jobs or retry later."),
+    TRAINING_ADMISSION_BUSY: (503, 1, "Another admission is in progress; retry shortly."),
+    TRAINING_NO_RUNNER: (
+        503,
+        10,
+        "Start a worker (`kiln worker`); submissions are admitted only against a live runner.",
+    ),
+    SERVER_SHUTTING_DOWN: (503, 5, "The server is shutting down; retry against the new instance."),
+    ADAPTER_ACTIVE: (409, None, "A running job is writing this adapter; wait for it to finish."),
+    # the service's own codes
     UNAUTHORIZED: (401, None, "Send `Authorization: Bearer <token>` with a token from server.api_tokens."),
     NOT_FOUND: (404, None, "GET /openapi.json lists every route."),
     METHOD_NOT_ALLOWED: (405, None, "GET /openapi.json lists the methods each route accepts."),
@@ -70,26 +125,55 @@ API_ERRORS: dict[str, tuple[int, int | None, str]] = {
         "once); retry after the Retry-After delay.",
     ),
 }
+_UNLISTED = (500, None, "")
 
 
 class ApiError(KilnError):
-    """A service-level error (auth, routing, idempotency, ...) shaped like a contract error."""
+    """An error the service raises with a code of `API_ERRORS`, or with any code and an explicit
+    HTTP `status` (werkzeug's own errors, the dataset routes' codes)."""
 
-    def __init__(self, code: str, message: str, *, hint: str | None = None) -> None:
+    def __init__(
+        self, code: str, message: str, *, hint: str | None = None, status: int | None = None
+    ) -> None:
         super().__init__(code, message, hint=hint)
-        status, retry_after, default_hint = API_ERRORS[code]
+        if status is None:
+            status, retry_after, default_hint = API_ERRORS[code]
+        else:
+            retry_after, default_hint = None, ""
         self.status = status
         self.retry_after = retry_after
-        self.hint = hint if hint is not None else default_hint
+        if self.hint is None:
+            self.hint = default_hint
+
+
+def http_status(error: KilnError) -> int:
+    """The HTTP status that answers `error`: an `ApiError`'s own, else its code's."""
+    if isinstance(error, ApiError):
+        return error.status
+    return API_ERRORS.get(error.code, _UNLISTED)[0]
+
+
+def _retry_after(error: KilnError) -> int | None:
+    if isinstance(error, ApiError):
+        return error.retry_after
+    return API_ERRORS.get(error.code, _UNLISTED)[1]
+
+
+def _hint(error: KilnError) -> str:
+    if error.hint is not None:
+        return error.hint
+    return API_ERRORS.get(error.code, _UNLISTED)[2] or ""
 
 
 def error_response(error: KilnError) -> Response:
     """The envelope with the code's status (and Retry-After when the code is retryable)."""
-    response = jsonify(error.envelope())
-    response.status_code = error.status
-    if error.retry_after is not None:
-        response.headers["Retry-After"] = str(error.retry_after)
-    if error.status == 401:
+    status = http_status(error)
+    response = jsonify({"error": {"code": error.code, "message": error.message, "hint": _hint(error)}})
+    response.status_code = status
+    retry_after = _retry_after(error)
+    if retry_after is not None:
+        response.headers["Retry-After"] = str(retry_after)
+    if status == 401:
         response.headers["WWW-Authenticate"] = 'Bearer realm="kiln"'
     breakdown = getattr(error, "breakdown", None)
     if breakdown is not None:  # a 413 training_will_not_fit: its numbers, exact, beside the envelope
@@ -109,9 +193,7 @@ def http_error(exc: HTTPException) -> KilnError:
     if status == 405:
         return ApiError(METHOD_NOT_ALLOWED, "the route does not accept this method")
     code = (exc.name or "http_error").lower().replace(" ", "_").replace("'", "")
-    error = KilnError(code, exc.description or exc.name or "HTTP error", hint="")
-    error.status = status
-    return error
+    return ApiError(code, exc.description or exc.name or "HTTP error", hint="", status=status)
 
 
 def register_error_handlers(app: Flask) -> None:

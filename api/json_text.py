@@ -1,24 +1,20 @@
-"""Request JSON in short steps: the decoder of request bodies and the canonical digest of one.
+"""Request JSON in short steps: the decoder of request bodies.
 
-`json.loads` and `json.dumps` run in C holding the interpreter lock throughout: on a body of
-tens of MiB that is tens of milliseconds in which no other thread of the worker (a `/health`
-probe, a status read) can run. A body is an object whose large members are arrays of rows, so
-`loads` decodes the top-level object and its arrays here, member by member and element by
-element, and the C decoder gets one row at a time; `canonical_sha256` hashes the canonical form
-in the same steps. Both give exactly what the one-call forms give.
+`json.loads` runs in C holding the interpreter lock throughout: on a body of tens of MiB that is
+tens of milliseconds in which no other thread of the worker (a `/health` probe, a status read)
+can run. A body is an object whose large members are arrays of rows, so `loads` decodes the
+top-level object and its arrays here, member by member and element by element, and the C
+decoder gets one row at a time; it gives exactly what the one-call form gives. The canonical
+digest of a body (`kiln_train.artifacts.digest.json_sha256`) is hashed in the same steps.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
-from collections.abc import Iterator
 from json.decoder import scanstring
 from typing import Any
-
-from kiln_train.artifacts.provenance import canonical_json
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 
@@ -113,29 +109,3 @@ def loads(text: str) -> Any:
     if index != len(text):
         raise json.JSONDecodeError("Extra data", text, index)
     return value
-
-
-def _canonical_chunks(value: Any, levels: int) -> Iterator[bytes]:
-    if levels and isinstance(value, dict):
-        yield b"{"
-        for i, key in enumerate(sorted(value)):
-            yield (b"," if i else b"") + canonical_json(key) + b":"
-            yield from _canonical_chunks(value[key], levels - 1)
-        yield b"}"
-    elif levels and isinstance(value, list):
-        yield b"["
-        for i, item in enumerate(value):
-            if i:
-                yield b","
-            yield from _canonical_chunks(item, levels - 1)
-        yield b"]"
-    else:
-        yield canonical_json(value)
-
-
-def canonical_sha256(value: Any) -> str:
-    """`kiln_train.artifacts.provenance.json_sha256(value)`, encoded a member and an element at a time."""
-    digest = hashlib.sha256()
-    for chunk in _canonical_chunks(value, levels=2):
-        digest.update(chunk)
-    return "sha256:" + digest.hexdigest()

@@ -15,8 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api.admission import parse_submission, plan_sft
 from api.services import Services
-from kiln_train.plan.memory import admissible_rank_ceiling, max_rank_that_fits
 from kiln_train.plan.optimizer_support import rank_range
+from kiln_train.plan.segments import admissible_rank_ceiling, max_rank_that_fits
 
 
 class _Out(BaseModel):

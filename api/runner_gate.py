@@ -16,8 +16,9 @@ from kiln_train.data.chat_template import training_template
 from kiln_train.errors import backend_unsupported, invalid_request
 from kiln_train.model.config import Qwen35Config, parse_config
 from kiln_train.plan.backend import Backend, backend_for_device
-from kiln_train.plan.memory import ESTIMATED_ROUTES, check_segment_request
+from kiln_train.plan.formulas import ESTIMATED_ROUTES
 from kiln_train.plan.optimizer_support import check_optimizer_tuple, native_training_unavailable_reason
+from kiln_train.plan.segments import check_segment_request
 from kiln_train.sft_config import SftConfig
 
 

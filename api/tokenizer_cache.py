@@ -9,24 +9,16 @@ so an unchanged file is not re-hashed on every submission.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from kiln_train.artifacts.digest import file_digest
 from kiln_train.errors import backend_unsupported
 
 TOKENIZER_FILE = "tokenizer.json"
-
-
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return "sha256:" + h.hexdigest()
 
 
 class TokenizerCache:
@@ -45,7 +37,7 @@ class TokenizerCache:
             known = self._digests.get(key)
         if known is not None:
             return known
-        digest = _file_digest(path)
+        digest = file_digest(path)
         with self._lock:
             self._digests[key] = digest
         return digest

@@ -15,7 +15,15 @@ import secrets
 import struct
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kiln_train.errors import invalid_request
 from kiln_train.model.config import MAX_DIMENSION, MAX_LAYERS
@@ -58,6 +66,16 @@ def f32_round(value: float) -> float:
         return math.copysign(math.inf, value)
 
 
+def _non_negative_weight_decay(v: float) -> float:
+    if _finite("weight_decay", v) < 0.0:
+        raise ValueError("weight_decay must be non-negative")
+    return v
+
+
+# Decoupled weight decay (AdamW, Muon): finite and non-negative.
+WeightDecay = Annotated[float, AfterValidator(_non_negative_weight_decay)]
+
+
 class SgdConfig(BaseModel):
     """Plain SGD; stateless, no optimizer-specific fields."""
 
@@ -73,7 +91,7 @@ class AdamWConfig(BaseModel):
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
-    weight_decay: float = 0.0
+    weight_decay: WeightDecay = 0.0
 
     @field_validator("beta1", "beta2")
     @classmethod
@@ -90,13 +108,6 @@ class AdamWConfig(BaseModel):
             raise ValueError("eps must be greater than zero")
         return v
 
-    @field_validator("weight_decay")
-    @classmethod
-    def _wd(cls, v: float) -> float:
-        if _finite("weight_decay", v) < 0.0:
-            raise ValueError("weight_decay must be non-negative")
-        return v
-
 
 class MuonConfig(BaseModel):
     """Muon: Nesterov momentum + Newton–Schulz orthogonalisation of each LoRA matrix update."""
@@ -106,7 +117,7 @@ class MuonConfig(BaseModel):
     momentum: float = 0.95
     nesterov: bool = True
     ns_iters: int = 5
-    weight_decay: float = 0.0
+    weight_decay: WeightDecay = 0.0
 
     @field_validator("momentum")
     @classmethod
@@ -121,13 +132,6 @@ class MuonConfig(BaseModel):
     def _ns(cls, v: int) -> int:
         if not 1 <= v <= MAX_NS_ITERS:
             raise ValueError(f"ns_iters must be in 1..={MAX_NS_ITERS}")
-        return v
-
-    @field_validator("weight_decay")
-    @classmethod
-    def _wd(cls, v: float) -> float:
-        if _finite("weight_decay", v) < 0.0:
-            raise ValueError("weight_decay must be non-negative")
         return v
 
 

@@ -12,7 +12,6 @@ The figures are the checkpoint module's own cost: device-to-host copies are not 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import statistics
 import tempfile
 import time
@@ -21,7 +20,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save
 
-from kiln_train.artifacts.provenance import json_sha256, shard_aggregate
+from kiln_train.artifacts.digest import json_sha256, sha256_prefixed
+from kiln_train.artifacts.provenance import shard_aggregate
 from kiln_train.checkpoint import (
     ADAPTER_FILE,
     LOOP_STATE_FILE,
@@ -45,7 +45,7 @@ STEP = 250  # epoch 1, cursor 50
 
 
 def _digest(text: str) -> str:
-    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+    return sha256_prefixed(text.encode())
 
 
 def lora_tensors(preset: str, rank: int, gen: torch.Generator) -> dict[str, torch.Tensor]:

@@ -32,6 +32,7 @@ from kiln_train.data.tokenizer import build_tokenizer  # noqa: E402
 from kiln_train.model.resident import load_resident  # noqa: E402
 from kiln_train.model.tiny import write_tiny_checkpoint  # noqa: E402
 from kiln_train.sft_config import parse_sft_config  # noqa: E402
+from kiln_train.train.request import TrainRequest  # noqa: E402
 from kiln_train.train.trainer import train_sft  # noqa: E402
 
 OPTIMIZERS = {"sgd": 1e-4, "adam_w": 1e-4, "muon": 1e-3}
@@ -92,12 +93,14 @@ def main() -> None:
                 }
             ).resolve(seed=0)
             result = train_sft(
-                resident,
-                config,
-                ingestion,
-                loss_route=resident.backend.sft_loss_route,
-                output_root=registry,
-                adapter_name=f"bench-{kind.replace('_', '')}",
+                TrainRequest(
+                    resident=resident,
+                    config=config,
+                    ingestion=ingestion,
+                    loss_route=resident.backend.sft_loss_route,
+                    output_root=registry,
+                    adapter_name=f"bench-{kind.replace('_', '')}",
+                )
             )
             if result.status != "success":
                 raise SystemExit(f"{kind}: {result.failure_reason}: {result.failure_message}")

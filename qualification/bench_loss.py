@@ -10,7 +10,7 @@ ten targets with AdamW, for T in {512, 2048, 8192}:
   alpha), their standard loss `model(input_ids, labels=labels).loss`, `torch.optim.AdamW`.
 
 Each (route, T) runs in its own fresh subprocess with the cpu allocator policy of the worker
-(`kiln_train.plan.memory.apply_cpu_allocator_policy`, applied to all three alike). Peak memory is the
+(`kiln_train.plan.budget.apply_cpu_allocator_policy`, applied to all three alike). Peak memory is the
 peak RSS above the RSS after the model is loaded; step time is the mean of the measured steps
 after one warm-up step. A case whose dense logits would not fit in the machine's available memory
 (estimated with the full_logits formula of `kiln_train.plan.memory`) is skipped, not run into an OOM.
@@ -75,7 +75,6 @@ def _row(seq_len: int, vocab: int, step: int):
 def kiln_stepper(model_dir: str, route: str):
     from kiln_train.model import attach_lora, load_model
     from kiln_train.optim import build_optimizer
-    from kiln_train.sft_config import AdamWConfig
     from kiln_train.train.loss import sft_loss
 
     model = load_model(model_dir)
@@ -84,7 +83,7 @@ def kiln_stepper(model_dir: str, route: str):
     def setup():
         lora = attach_lora(model, RANK, ALPHA, 0)
         named = lora.named_parameters()
-        optimizer = build_optimizer(AdamWConfig(kind="adam_w"), named, LR)
+        optimizer = build_optimizer("adam_w", named, LR)
 
         def step(ids, labels):
             hidden = model.hidden_states(ids)
@@ -130,7 +129,7 @@ def hf_stepper(model_dir: str):
 def run_child(model_dir: str, route: str, seq_len: int, steps: int) -> dict:
     import torch
 
-    from kiln_train.plan.memory import apply_cpu_allocator_policy
+    from kiln_train.plan.budget import apply_cpu_allocator_policy
 
     apply_cpu_allocator_policy()
     torch.manual_seed(0)
@@ -174,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from kiln_train.model.tiny import write_tiny_checkpoint
-    from kiln_train.plan.memory import cpu_available_bytes
+    from kiln_train.plan.budget import cpu_available_bytes
 
     results: dict[tuple[str, int], dict | str] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -106,6 +106,7 @@ def run_ours(args, rows) -> dict:
     from kiln_train.data.ingestion import ingest_examples
     from kiln_train.model.resident import load_resident
     from kiln_train.sft_config import parse_sft_config
+    from kiln_train.train.request import TrainRequest
     from kiln_train.train.trainer import train_sft
 
     resident = load_resident(args.model_dir)
@@ -127,13 +128,15 @@ def run_ours(args, rows) -> dict:
     with tempfile.TemporaryDirectory(prefix="kiln-bench-out-") as out:
         start = (time.perf_counter(), time.process_time())
         result = train_sft(
-            resident,
-            config,
-            ingestion,
-            loss_route=resident.backend.sft_loss_route,
-            output_root=out,
-            adapter_name="bench",
-            progress=progress,
+            TrainRequest(
+                resident=resident,
+                config=config,
+                ingestion=ingestion,
+                loss_route=resident.backend.sft_loss_route,
+                output_root=out,
+                adapter_name="bench",
+                progress=progress,
+            )
         )
     if result.status != "success":
         raise RuntimeError(f"train_sft failed: {result.failure_reason}: {result.failure_message}")

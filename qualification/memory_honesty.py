@@ -6,7 +6,7 @@ checkpointed step), release freed heap memory, then take the baseline. Then atta
 exactly as the trainer does (`hidden_states` with the segment count, `sft_loss` on the route,
 `backward`, the gradient dict, `optimizer.step`, grads released), and measure the peak:
 
-- cpu: with the worker's allocator policy (`kiln_train.plan.memory.apply_cpu_allocator_policy`),
+- cpu: with the worker's allocator policy (`kiln_train.plan.budget.apply_cpu_allocator_policy`),
   peak RSS (`VmHWM`, reset with `/proc/self/clear_refs` after the baseline) minus the RSS
   at the baseline: what the process really took from the machine, allocator slack included;
 - cuda: `torch.cuda.max_memory_allocated()` minus the allocated bytes at the baseline.
@@ -132,15 +132,11 @@ def train_steps(model, case: Case, device, steps: int, seed: int = 0) -> None:
     """Real steps, as `kiln_train.train.trainer` runs them."""
     from kiln_train.model import attach_lora
     from kiln_train.optim import build_optimizer
-    from kiln_train.sft_config import AdamWConfig, MuonConfig, SgdConfig
     from kiln_train.train.loss import sft_loss
 
     lora = attach_lora(model, case.rank, float(2 * case.rank), seed)
     named = lora.named_parameters()
-    opt_cfg = {"sgd": SgdConfig, "adam_w": AdamWConfig, "muon": MuonConfig}[case.optimizer](
-        kind=case.optimizer
-    )
-    optimizer = build_optimizer(opt_cfg, named, 1e-4)
+    optimizer = build_optimizer(case.optimizer, named, 1e-4)
     try:
         for step in range(steps):
             ids, labels = _make_row(case.seq_len, case.supervised, model.config.vocab_size, seed + step)
@@ -173,7 +169,7 @@ def run_child(model_dir: str, device_name: str, case: Case) -> dict:
     import torch
 
     from kiln_train.model import load_model
-    from kiln_train.plan.memory import apply_cpu_allocator_policy
+    from kiln_train.plan.budget import apply_cpu_allocator_policy
 
     torch.manual_seed(0)
     device = torch.device(device_name)

@@ -23,7 +23,6 @@ Regenerate (after any source fixture changes):
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import tempfile
@@ -35,6 +34,7 @@ sys.path.insert(0, str(REPO / "qualification"))
 
 from sft_template_oracle import _library_versions, oracle_input, run_kiln, run_oracle  # noqa: E402
 
+from kiln_train.artifacts.digest import file_sha256_hex  # noqa: E402
 from kiln_train.data.chat_template import NOTHINK_TEMPLATE_FILE, training_chat_template_sha256  # noqa: E402
 from kiln_train.data.tokenizer import build_tokenizer, write_tokenizer  # noqa: E402
 
@@ -44,10 +44,6 @@ FIXTURE = FIXTURES / "qwen35_sft_nothink_equivalence_v1.json"
 SCHEMA = "kiln.qwen35-sft-nothink-equivalence.v1"
 REGENERATE = ".venv/bin/python qualification/sft_nothink_oracle.py --write"
 GENERATION_PROMPT_EXAMPLE = [{"role": "user", "content": "What is 2+2?"}]
-
-
-def sha256_file(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def source_examples() -> tuple[list[dict], list[tuple[str, dict]]]:
@@ -66,7 +62,7 @@ def source_examples() -> tuple[list[dict], list[tuple[str, dict]]]:
                 if isinstance(entry, dict) and isinstance(entry.get("example"), dict):
                     examples.append((f"{name}:{key}:{entry.get('name', rows)}", entry["example"]))
                     rows += 1
-        records.append({"file": name, "sha256": sha256_file(path), "examples": rows})
+        records.append({"file": name, "sha256": file_sha256_hex(path), "examples": rows})
     return records, examples
 
 
@@ -148,11 +144,11 @@ def build(hf_tokenizer, tokenizer) -> dict:
         "regenerate": REGENERATE,
         "versions": _library_versions(),
         "templates": {
-            "trl_think_sha256": sha256_file(paths["think"]),
-            "trl_nothink_sha256": sha256_file(paths["nothink"]),
-            "trl_think_training_sha256": sha256_file(paths["think_training"]),
-            "trl_nothink_training_sha256": sha256_file(paths["nothink_training"]),
-            "kiln_nothink_chat_template_sha256": sha256_file(NOTHINK_TEMPLATE_FILE),
+            "trl_think_sha256": file_sha256_hex(paths["think"]),
+            "trl_nothink_sha256": file_sha256_hex(paths["nothink"]),
+            "trl_think_training_sha256": file_sha256_hex(paths["think_training"]),
+            "trl_nothink_training_sha256": file_sha256_hex(paths["nothink_training"]),
+            "kiln_nothink_chat_template_sha256": file_sha256_hex(NOTHINK_TEMPLATE_FILE),
             "kiln_training_template_sha256": training_chat_template_sha256(),
         },
         "sources": records,

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
 import json
 import random
 import sys
@@ -60,6 +59,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from kiln_train.artifacts.digest import file_sha256_hex  # noqa: E402
 from kiln_train.data.chat_template import TRAINING_TEMPLATE_FILE, training_chat_template_sha256  # noqa: E402
 from kiln_train.data.ingestion import iter_example_outcomes  # noqa: E402
 from kiln_train.data.labels import IGNORE_INDEX, MASK_CONTRACT  # noqa: E402
@@ -435,12 +435,12 @@ def oracle_input(row: dict) -> tuple[list[dict], list[dict] | None]:
 def kiln_template_input(row: dict) -> tuple[list[dict], list[dict] | None] | None:
     """The plain data Kiln's normaliser hands its training template (None when Kiln rejects earlier)."""
     from kiln_train.data.conversation import RowRejection, check_roles, parse_example, prepare_for_template
-    from kiln_train.data.row_identity import canonical_json
+    from kiln_train.data.row_identity import serde_canonical_json
 
     try:
         parsed = parse_example(row)
         check_roles(parsed)
-        conversation = prepare_for_template(parsed, canonical_json(parsed))
+        conversation = prepare_for_template(parsed, serde_canonical_json(parsed))
     except RowRejection:
         return None
     return conversation.messages, conversation.tools
@@ -501,10 +501,6 @@ def _library_versions() -> dict[str, str]:
     }
 
 
-def _sha256_file(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def _trl_template_path() -> Path:
     import trl
 
@@ -543,11 +539,11 @@ def build_fixture(hf_tokenizer, tokenizer_json: Path) -> dict:
         "versions": _library_versions(),
         "artifacts": {
             "trl_training_template": "trl/chat_templates/qwen3_5_think_training.jinja",
-            "trl_training_template_sha256": _sha256_file(trl_template_path),
-            "trl_think_template_sha256": _sha256_file(trl_template_path.with_name("qwen3_5_think.jinja")),
+            "trl_training_template_sha256": file_sha256_hex(trl_template_path),
+            "trl_think_template_sha256": file_sha256_hex(trl_template_path.with_name("qwen3_5_think.jinja")),
             "kiln_training_template_sha256": training_chat_template_sha256(),
-            "tokenizer_json_sha256": _sha256_file(tokenizer_json),
-            "tokenizer_vocabulary_sha256": _sha256_file(vocabulary_file()),
+            "tokenizer_json_sha256": file_sha256_hex(tokenizer_json),
+            "tokenizer_vocabulary_sha256": file_sha256_hex(vocabulary_file()),
         },
         "random_seed": RANDOM_SEED,
         "cases": cases,
@@ -1028,10 +1024,10 @@ def build_conversations_fixture(hf_tokenizer, tokenizer_json: Path) -> dict:
         "mask_contract": MASK_CONTRACT,
         "versions": _library_versions(),
         "artifacts": {
-            "trl_training_template_sha256": _sha256_file(trl_template_path),
+            "trl_training_template_sha256": file_sha256_hex(trl_template_path),
             "kiln_training_template_sha256": training_chat_template_sha256(),
-            "tokenizer_json_sha256": _sha256_file(tokenizer_json),
-            "tokenizer_vocabulary_sha256": _sha256_file(vocabulary_file()),
+            "tokenizer_json_sha256": file_sha256_hex(tokenizer_json),
+            "tokenizer_vocabulary_sha256": file_sha256_hex(vocabulary_file()),
         },
         "generator": {
             "function": "conversation_rows",
@@ -1568,10 +1564,10 @@ def build_probe2_fixture(hf_tokenizer, tokenizer_json: Path) -> dict:
         "mask_contract": MASK_CONTRACT,
         "versions": _library_versions(),
         "artifacts": {
-            "trl_training_template_sha256": _sha256_file(_trl_template_path()),
+            "trl_training_template_sha256": file_sha256_hex(_trl_template_path()),
             "kiln_training_template_sha256": training_chat_template_sha256(),
-            "tokenizer_json_sha256": _sha256_file(tokenizer_json),
-            "tokenizer_vocabulary_sha256": _sha256_file(vocabulary_file()),
+            "tokenizer_json_sha256": file_sha256_hex(tokenizer_json),
+            "tokenizer_vocabulary_sha256": file_sha256_hex(vocabulary_file()),
         },
         "generator": {"function": "probe2_rows", "seed": PROBE2_SEED, "rows": PROBE2_ROWS},
         "cases": cases,

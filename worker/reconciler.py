@@ -31,8 +31,8 @@ from kiln.broker import publish_job
 from kiln.store import states
 from kiln_train import checkpoint as ckpt
 from kiln_train.artifacts.adapter import ADAPTER_MODEL, TRAIN_RECEIPT
+from kiln_train.artifacts.digest import file_digest
 from kiln_train.artifacts.fencing import RunIdentity, rehome
-from kiln_train.artifacts.provenance import file_digest
 from kiln_train.errors import KilnError
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import socket
 from pathlib import Path
 
 from kiln_train.model.resident import ResidentModel
-from kiln_train.plan.memory import cpu_available_bytes
+from kiln_train.plan.budget import cpu_available_bytes
 from kiln_train.plan.optimizer_support import optimizer_support_report
 
 

@@ -31,8 +31,9 @@ from kiln_train import checkpoint as ckpt
 from kiln_train.artifacts.fencing import RunIdentity, grab_leftover
 from kiln_train.errors import KilnError, OwnershipLost
 from kiln_train.model.resident import ResidentModel
-from kiln_train.plan.memory import available_budget
-from kiln_train.train.support import TrainResult
+from kiln_train.plan.budget import available_budget
+from kiln_train.train.request import TrainRequest
+from kiln_train.train.result import TrainResult
 from kiln_train.train.trainer import train_sft
 from worker.fence import JobFence
 from worker.reconciler import Reconciler, unrecorded_checkpoints_beyond
@@ -372,19 +373,21 @@ class WorkerRuntime(RunRecording):
 
     def _train(self, pinned: PinnedJob, work) -> TrainResult:
         return train_sft(
-            self.resident,
-            work.config,
-            work.ingestion,
-            loss_route=pinned.loss_route,
-            output_root=self.settings.adapters_dir,
-            adapter_name=pinned.adapter_name,
-            progress=lambda report: self._on_step(pinned.job_id, report),
-            should_stop=lambda: self._should_stop(pinned.job_id),
-            checkpoint_plan=work.checkpoint_plan,
-            resume_checkpoint=work.resume_path,
-            on_checkpoint=lambda record: self._on_checkpoint(pinned.job_id, record),
-            run_id=pinned.job_id[:8] + "-" + uuid.uuid4().hex[:6],
-            fence=self._run_of(pinned.job_id).fence,
+            TrainRequest(
+                resident=self.resident,
+                config=work.config,
+                ingestion=work.ingestion,
+                loss_route=pinned.loss_route,
+                output_root=self.settings.adapters_dir,
+                adapter_name=pinned.adapter_name,
+                progress=lambda report: self._on_step(pinned.job_id, report),
+                should_stop=lambda: self._should_stop(pinned.job_id),
+                checkpoint_plan=work.checkpoint_plan,
+                resume_checkpoint=work.resume_path,
+                on_checkpoint=lambda record: self._on_checkpoint(pinned.job_id, record),
+                run_id=pinned.job_id[:8] + "-" + uuid.uuid4().hex[:6],
+                fence=self._run_of(pinned.job_id).fence,
+            )
         )
 
     def _withdraw_unrecorded_leftovers(self, pinned: PinnedJob, work) -> None:

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from kiln import store
 from kiln.settings import Settings
 from kiln_train import checkpoint as ckpt
-from kiln_train.artifacts.provenance import json_sha256
+from kiln_train.artifacts.digest import json_sha256
 from kiln_train.data.ingestion import IngestionResult, ingest_examples, ingest_jsonl, resolve_dataset_path
 from kiln_train.errors import KilnError
 from kiln_train.model.resident import ResidentModel

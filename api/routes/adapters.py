@@ -18,14 +18,15 @@ from flask import Blueprint, Response, current_app
 from api import schemas
 from api.admission import lock_admissions
 from api.archive import stream_tar_gz
-from api.errors import INTERNAL_ERROR, ApiError
+from api.errors import ADAPTER_ACTIVE, INTERNAL_ERROR, ApiError
 from api.http import json_response, services
 from api.queries import active_jobs_for_adapter, jobs_warm_starting_from
 from api.serializers import adapter_info, read_json_file
 from kiln.store import delete_adapter, get_adapter, list_adapters
+from kiln.store.errors import ADAPTER_NOT_FOUND
 from kiln_train.artifacts.adapter import TRAIN_RECEIPT
 from kiln_train.checkpoint import CHECKPOINT_SUFFIX
-from kiln_train.errors import ADAPTER_ACTIVE, ADAPTER_NOT_FOUND, INVALID_ADAPTER_NAME, KilnError
+from kiln_train.errors import INVALID_ADAPTER_NAME, KilnError
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,9 @@ from kiln.store import (
     states,
     store_now,
 )
+from kiln.store.errors import TRAINING_JOB_NOT_FOUND
 from kiln.store.events import MAX_EVENT_PAGE
-from kiln_train.errors import TRAINING_JOB_NOT_FOUND, KilnError
+from kiln_train.errors import KilnError
 
 bp = Blueprint("jobs", __name__)
 

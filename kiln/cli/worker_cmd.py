@@ -54,8 +54,8 @@ def run_worker(settings) -> None:
 
     from kiln_train.errors import KilnError
     from kiln_train.model.resident import load_resident
-    from kiln_train.plan.memory import apply_cpu_allocator_policy
-    from kiln_train.train.support import warm_up
+    from kiln_train.plan.budget import apply_cpu_allocator_policy
+    from kiln_train.train.warmup import warm_up
     from worker.celery_app import make_celery
     from worker.runtime import WorkerRuntime
     from worker.tasks import install_runtime

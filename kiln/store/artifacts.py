@@ -10,9 +10,10 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from kiln.store import states
+from kiln.store.errors import ADAPTER_NOT_FOUND
 from kiln.store.events import append_event
 from kiln.store.models import Adapter, Checkpoint, Job, TrainingStep, store_now
-from kiln_train.errors import ADAPTER_ALREADY_EXISTS, ADAPTER_NOT_FOUND, KilnError
+from kiln_train.errors import ADAPTER_ALREADY_EXISTS, KilnError
 
 
 def record_checkpoint(

@@ -14,6 +14,12 @@ from kiln_train.errors import OwnershipLost
 # The database cannot be reached right now (connection refused or dropped): worth retrying.
 STORE_UNREACHABLE = (sa_exc.OperationalError, sa_exc.InterfaceError)
 
+# Contract codes the store raises as `KilnError` (api.errors maps them to HTTP statuses).
+TRAINING_JOB_NOT_FOUND = "training_job_not_found"
+TRAINING_JOB_NOT_CANCELLABLE = "training_job_not_cancellable"
+TRAINING_JOB_ALREADY_STARTED = "training_job_already_started"
+ADAPTER_NOT_FOUND = "adapter_not_found"
+
 
 class StoreError(Exception):
     """Base class of the job store's internal errors."""

@@ -17,15 +17,16 @@ from sqlalchemy import false, func, literal, select, update
 from sqlalchemy.orm import Session
 
 from kiln.store import states
-from kiln.store.errors import InvalidTransition, LeaseLost
-from kiln.store.events import append_event
-from kiln.store.models import Admission, Job, TrainingStep, UtcDateTime, store_now
-from kiln_train.errors import (
+from kiln.store.errors import (
     TRAINING_JOB_ALREADY_STARTED,
     TRAINING_JOB_NOT_CANCELLABLE,
     TRAINING_JOB_NOT_FOUND,
-    KilnError,
+    InvalidTransition,
+    LeaseLost,
 )
+from kiln.store.events import append_event
+from kiln.store.models import Admission, Job, TrainingStep, UtcDateTime, store_now
+from kiln_train.errors import KilnError
 
 CANCELLED = "cancelled"
 CANCELLING = "cancelling"

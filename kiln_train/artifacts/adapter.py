@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 import shutil
@@ -17,17 +16,14 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from kiln_train.artifacts.adapter_layout import ADAPTER_CONFIG, ADAPTER_MANIFEST, ADAPTER_MODEL, TRAIN_RECEIPT
+from kiln_train.artifacts.digest import file_digest, sha256_prefixed
 from kiln_train.artifacts.fencing import Fence, fenced_rename, grab_leftover, put_back
-from kiln_train.artifacts.provenance import file_digest, sha256_prefixed
+from kiln_train.artifacts.receipt import NULL_ADAPTER_IDENTITY
 from kiln_train.checkpoint.fs import fsync_dir, rename_no_replace, write_new_file
 from kiln_train.errors import ADAPTER_ALREADY_EXISTS, INVALID_ADAPTER_NAME, KilnError, TrainingFailure
 from kiln_train.model.config import LORA_TARGET_MODULES, Qwen35Config
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_MODEL = "adapter_model.safetensors"
-TRAIN_RECEIPT = "train_receipt.json"
-ADAPTER_MANIFEST = "adapter_manifest.json"
-CANARY_STATUS = "adapter_canary_status.json"
 PEFT_PREFIX = "base_model.model.model."
 ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")  # matched in full
 log = logging.getLogger(__name__)
@@ -251,12 +247,7 @@ def check_adapter_provenance(
     manifest_path = path / ADAPTER_MANIFEST
     if not manifest_path.is_file():
         return
-    try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TrainingFailure("adapter_load_failed", f"{manifest_path} is not readable JSON: {exc}") from None
-    if not isinstance(manifest, dict):
-        raise TrainingFailure("adapter_load_failed", f"{manifest_path} is not a JSON object")
+    manifest = _read_json_object(manifest_path)
     if manifest.get("safetensors_hash") != file_digest(path / ADAPTER_MODEL):
         raise TrainingFailure(
             "adapter_load_failed",
@@ -373,14 +364,18 @@ def _safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 
 def _read_adapter_config(path: Path) -> dict:
-    cfg_path = path / ADAPTER_CONFIG
+    return _read_json_object(path / ADAPTER_CONFIG)
+
+
+def _read_json_object(path: Path) -> dict:
+    """A JSON object file of the adapter; anything else is `adapter_load_failed`."""
     try:
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+        obj = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TrainingFailure("adapter_load_failed", f"{cfg_path} is not readable JSON: {exc}") from None
-    if not isinstance(cfg, dict):
-        raise TrainingFailure("adapter_load_failed", f"{cfg_path} is not a JSON object")
-    return cfg
+        raise TrainingFailure("adapter_load_failed", f"{path} is not readable JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise TrainingFailure("adapter_load_failed", f"{path} is not a JSON object")
+    return obj
 
 
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
@@ -428,7 +423,7 @@ def check_base_adapter_files(path: Path, config: Qwen35Config, rank: int, alpha:
             )
 
 
-def check_base_adapter(
+def load_base_adapter(
     path: Path,
     config: Qwen35Config,
     rank: int,
@@ -437,7 +432,7 @@ def check_base_adapter(
     model_config_sha256: str | None = None,
     base_weights_sha256: str | None = None,
 ) -> dict:
-    """Validate a warm-start adapter against the model and the run's rank; returns its tensors.
+    """Read a warm-start adapter's tensors, validated against the model and the run's rank.
 
     `check_base_adapter_files` first, then the tensors themselves (readable, finite) and, given
     the resident digests, the provenance its `adapter_manifest.json` records.
@@ -459,14 +454,10 @@ def check_base_adapter(
 def adapter_identity(path: Path | None) -> dict:
     """`adapters.base` / `adapters.output` receipt object for an adapter directory (or null path)."""
     if path is None:
-        return {"path": None, "adapter_model_sha256": None, "adapter_model_bytes": None}
+        return dict(NULL_ADAPTER_IDENTITY)
     model = path / ADAPTER_MODEL
     return {
         "path": str(path),
         "adapter_model_sha256": file_digest(model),
         "adapter_model_bytes": model.stat().st_size,
     }
-
-
-def finite_or_none(x: float | None) -> float | None:
-    return x if x is not None and math.isfinite(x) else None

@@ -15,7 +15,10 @@ from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
-from kiln_train.model.config import file_sha256
+from kiln_train.artifacts.digest import file_digest, json_sha256, sha256_prefixed
+from kiln_train.data.chat_template import CHAT_TEMPLATE_FILE
+from kiln_train.data.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from kiln_train.model.config import CONFIG_FILE
 
 BASE_WEIGHT_SHARDS = "kiln.base-weight-shards.v1"
 BASE_MODEL_CONTENT = "kiln.base-model-content.v1"
@@ -24,23 +27,6 @@ KERNEL_CONTRACT = "kiln.kernel-contract.v1"
 SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PRIVATE", "AUTH", "CREDENTIAL")
 # Only the training library defines what executes; an api or docs change is not a new identity.
 PACKAGE_ROOTS = ("kiln_train",)
-
-
-def sha256_prefixed(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
-def canonical_json(obj) -> bytes:
-    """Recursive key sort, compact separators, UTF-8 unescaped (the contract's stable digest form)."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-
-
-def json_sha256(obj) -> str:
-    return sha256_prefixed(canonical_json(obj))
-
-
-def file_digest(path: str | Path) -> str:
-    return "sha256:" + file_sha256(path)
 
 
 def base_weight_shard_manifest(model_dir: str | Path) -> dict:
@@ -77,14 +63,14 @@ def optional_file_digest(path: Path) -> str | None:
 def model_identity(model_dir: str | Path, training_chat_template_sha256: str | None) -> dict:
     """Digests of the files that define the model and its text interface."""
     d = Path(model_dir)
-    template = optional_file_digest(d / "chat_template.jinja")
-    if template is None and (d / "tokenizer_config.json").is_file():
-        tmpl = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
+    template = optional_file_digest(d / CHAT_TEMPLATE_FILE)
+    if template is None and (d / TOKENIZER_CONFIG_FILE).is_file():
+        tmpl = json.loads((d / TOKENIZER_CONFIG_FILE).read_text(encoding="utf-8")).get("chat_template")
         template = sha256_prefixed(tmpl.encode("utf-8")) if isinstance(tmpl, str) else None
     return {
-        "model_config_sha256": file_digest(d / "config.json"),
-        "tokenizer_vocab_sha256": file_digest(d / "tokenizer.json"),
-        "tokenizer_config_sha256": optional_file_digest(d / "tokenizer_config.json"),
+        "model_config_sha256": file_digest(d / CONFIG_FILE),
+        "tokenizer_vocab_sha256": file_digest(d / TOKENIZER_FILE),
+        "tokenizer_config_sha256": optional_file_digest(d / TOKENIZER_CONFIG_FILE),
         "chat_template_sha256": template,
         "training_chat_template_sha256": training_chat_template_sha256,
     }

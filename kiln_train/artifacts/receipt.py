@@ -7,12 +7,16 @@ checkpoints' `sft_loop_state.json`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 
+from kiln_train.artifacts.adapter_layout import ADAPTER_CONFIG, ADAPTER_MODEL, TRAIN_RECEIPT
+from kiln_train.artifacts.digest import utc_now_rfc3339
 from kiln_train.errors import FAILURE_REASONS
+from kiln_train.model.config import ATTENTION_TARGETS, GDN_TARGETS, MLP_TARGETS
 
 RECEIPT_TYPE = "kiln_train_receipt"
 ADAPTER_MANIFEST_TYPE = "kiln_adapter_manifest"
+# `adapters.base` / `adapters.output` when there is no such adapter.
+NULL_ADAPTER_IDENTITY = {"path": None, "adapter_model_sha256": None, "adapter_model_bytes": None}
 
 
 def _present(obj: dict) -> dict:
@@ -27,10 +31,6 @@ def _device_peak_mib(facts: RunFacts) -> float | None:
     if facts.peak_memory_bytes is None or not device.startswith("cuda"):
         return None
     return round(facts.peak_memory_bytes / 2**20, 1)
-
-
-def utc_now_rfc3339() -> str:
-    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 @dataclass
@@ -55,9 +55,7 @@ class RunFacts:
     git_commit: str | None = None
     git_dirty: bool | None = None
     env_config_hash: str | None = None
-    base_adapter: dict = field(
-        default_factory=lambda: {"path": None, "adapter_model_sha256": None, "adapter_model_bytes": None}
-    )
+    base_adapter: dict = field(default_factory=lambda: dict(NULL_ADAPTER_IDENTITY))
     tokens_per_epoch: int = 0
     supervised_per_epoch: int = 0
     epochs_completed: int = 0
@@ -84,12 +82,6 @@ def build_receipt(
         raise ValueError(f"receipt status must be success or failed, not {status!r}")
     if status == "failed" and failure_reason not in FAILURE_REASONS:
         raise ValueError(f"unknown failure_reason {failure_reason!r}")
-    ing = facts.ingestion
-    ident = facts.model_identity
-    trained = facts.steps_completed if status == "failed" else ing["rows_kept"] * facts.epochs
-    supervised = facts.supervised_per_epoch
-    context = facts.tokens_per_epoch - facts.supervised_per_epoch
-    epochs_for_tokens = facts.epochs if status == "success" else facts.epochs_completed
     receipt = {
         "schema_version": 1,
         "receipt_type": RECEIPT_TYPE,
@@ -100,131 +92,14 @@ def build_receipt(
     }
     if status == "failed":
         receipt["failure_message"] = failure_message
+    # `|null` fields are always present; `?` fields (kiln-contract §4.2) are omitted when unknown
+    # rather than written as null.
+    receipt.update(_provenance_sections(facts, output))
+    receipt.update(_training_sections(facts, succeeded=status == "success"))
     receipt.update(
         {
-            # `|null` fields are always present; `?` fields (kiln-contract §4.2) are omitted when
-            # unknown rather than written as null.
-            "kiln": {
-                "git_commit": facts.git_commit,
-                "git_dirty": facts.git_dirty,
-                "git_source": "git" if facts.git_commit else None,
-                "package_version": facts.package_version,
-                **_present({"env_config_hash": facts.env_config_hash}),
-            },
-            "model": {
-                "path": facts.model_path,
-                "config_hash": ident.get("model_config_sha256"),
-                **_present({"base_weight_shard_manifest": facts.base_weight_shard_manifest}),
-            },
-            "tokenizer": {
-                "config_hash": ident.get("tokenizer_vocab_sha256"),
-                **_present(
-                    {
-                        "tokenizer_config_hash": ident.get("tokenizer_config_sha256"),
-                        "chat_template_hash": ident.get("chat_template_sha256"),
-                        "training_chat_template_hash": ident.get("training_chat_template_sha256"),
-                    }
-                ),
-            },
-            "adapters": {
-                "base": facts.base_adapter,
-                "output": output or {"path": None, "adapter_model_sha256": None, "adapter_model_bytes": None},
-            },
-            "training_data": {
-                "source": ing["source"],
-                "path": ing.get("source_locator"),
-                "sha256": ing["kept_corpus_sha256"],
-            },
-            "hyperparameters": {
-                "mode": "sft",
-                "rank": facts.rank,
-                "alpha": facts.alpha,
-                "alpha_over_rank": facts.alpha / facts.rank,
-                "learning_rate": facts.learning_rate,
-                "epochs": facts.epochs,
-                "seed": str(facts.seed),
-                "shuffle": True,
-            },
-            "grpo": None,
-            "echo": {
-                "enabled": False,
-                "lambda": None,
-                "env_mask_mode": None,
-                "warning_filter": None,
-                "initial_env_ce": None,
-                "final_env_ce": None,
-            },
-            "no_policy_loss": False,
-            "data": {
-                "examples_read": ing["rows_read"],
-                "examples_filtered": ing["rows_rejected"],
-                "examples_trained": trained,
-                "groups_read": 0,
-                "groups_filtered": 0,
-                "groups_trained": 0,
-                "completions_read": 0,
-                "completions_trained": 0,
-                "reward_groups_filtered": 0,
-                "reward_groups_kept": 0,
-                "sft_ingestion": ing,
-            },
-            "rewards": {
-                "count": 0,
-                "mean": None,
-                "stdev": None,
-                "min": None,
-                "max": None,
-                "group_count": 0,
-                "all_pass_group_count": 0,
-                "all_fail_group_count": 0,
-                "degenerate_group_count": 0,
-                "group_variance_histogram": [],
-            },
-            "token_counts": {
-                "action_tokens": supervised * epochs_for_tokens,
-                "env_tokens": 0,
-                "env_tokens_before_warning_filter": 0,
-                "env_tokens_after_warning_filter": 0,
-                "warning_tokens_filtered": 0,
-                "context_tokens": context * epochs_for_tokens,
-            },
-            "phase_timings": {
-                "tokenize_ms": 0,
-                "mask_build_ms": 0,
-                "reference_forward_ms": 0,
-                "policy_forward_ms": 0,
-                "backward_ms": 0,
-                "optimizer_ms": 0,
-                "gpu_writer_wait_ms": 0,
-                "gpu_writer_held_ms": 0,
-                "gpu_writer_acquisitions": 0,
-                **facts.phase_timings,
-            },
-            "runtime": {
-                "wall_clock_ms": facts.wall_clock_ms,
-                "peak_vram_mib": _device_peak_mib(facts),
-                **_present(
-                    {
-                        "sft_loss_route": facts.loss_route,
-                        "execution_provenance": facts.execution_provenance,
-                        "training_precision": facts.training_precision,
-                    }
-                ),
-                # additive (allowed within version 1): the backend's peak, host RSS on CPU
-                "peak_memory_bytes": facts.peak_memory_bytes,
-                # additive: torch's intra-op thread count the run's CPU kernels used (it changes
-                # how CPU reductions split, hence bits; a resume runs with the recorded count)
-                **_present({"cpu_threads": facts.cpu_threads}),
-            },
-            "config_hashes": _present(
-                {
-                    "tokenizer_config_hash": ident.get("tokenizer_config_sha256"),
-                    "chat_template_hash": ident.get("chat_template_sha256"),
-                    "training_chat_template_hash": ident.get("training_chat_template_sha256"),
-                    "model_config_hash": ident.get("model_config_sha256"),
-                    "kiln_env_config_hash": facts.env_config_hash,
-                }
-            ),
+            "runtime": _runtime_section(facts),
+            "config_hashes": _config_hashes(facts),
             "lora_delta_norms": lora_delta_norms or [],
             "lora_grad_norms": facts.lora_grad_norms,
         }
@@ -235,45 +110,156 @@ def build_receipt(
     return receipt
 
 
-def validate_receipt(receipt: dict) -> None:
-    """Reader validation of kiln-contract §4.2: envelope and SFT cross-bindings. Raises ValueError."""
-    if receipt.get("schema_version") != 1 or receipt.get("receipt_type") != RECEIPT_TYPE:
-        raise ValueError("not a kiln_train_receipt v1")
-    if not receipt.get("adapter_name"):
-        raise ValueError("adapter_name must be non-empty")
-    status = receipt.get("status")
-    if status not in ("success", "failed"):
-        raise ValueError(f"bad status {status!r}")
-    if status == "success" and receipt.get("failure_reason") is not None:
-        raise ValueError("a successful receipt has no failure_reason")
-    if status == "failed" and receipt.get("failure_reason") not in FAILURE_REASONS:
-        raise ValueError(f"unknown failure_reason {receipt.get('failure_reason')!r}")
-    if receipt["hyperparameters"].get("mode") != "sft":
-        raise ValueError("hyperparameters.mode must be sft")
-    ing = receipt["data"].get("sft_ingestion")
-    if ing is None:
-        raise ValueError("SFT receipts carry data.sft_ingestion")
-    td = receipt["training_data"]
-    if td["source"] != ing["source"] or td["path"] != ing.get("source_locator"):
-        raise ValueError("training_data source/path disagree with data.sft_ingestion")
-    if td["sha256"] != ing["kept_corpus_sha256"]:
-        raise ValueError("training_data.sha256 differs from the kept-corpus digest")
-    if receipt["data"]["examples_read"] != ing["rows_read"]:
-        raise ValueError("data.examples_read differs from rows_read")
-    if receipt["data"]["examples_filtered"] != ing["rows_rejected"]:
-        raise ValueError("data.examples_filtered differs from rows_rejected")
-    if receipt["config"].get("invalid_row_policy") != ing["invalid_row_policy"]:
-        raise ValueError("config.invalid_row_policy differs from the ingestion policy")
-    tok, hashes = receipt["tokenizer"], receipt["config_hashes"]
-    if tok.get("training_chat_template_hash") != hashes.get("training_chat_template_hash"):
-        raise ValueError("training chat template digests disagree")
-    prov = receipt["runtime"].get("execution_provenance")
-    if prov is not None:
-        prov_tmpl = prov.get("model", {}).get("training_chat_template_sha256")
-        if prov_tmpl is not None and prov_tmpl != tok.get("training_chat_template_hash"):
-            raise ValueError("execution provenance template digest disagrees with the tokenizer section")
-    if receipt["runtime"].get("sft_loss_route") is None:
-        raise ValueError("runtime.sft_loss_route is required for SFT")
+def _provenance_sections(facts: RunFacts, output: dict | None) -> dict:
+    """`kiln`, `model`, `tokenizer`, `adapters` and `training_data`: what the run was made from."""
+    ing, ident = facts.ingestion, facts.model_identity
+    return {
+        "kiln": {
+            "git_commit": facts.git_commit,
+            "git_dirty": facts.git_dirty,
+            "git_source": "git" if facts.git_commit else None,
+            "package_version": facts.package_version,
+            **_present({"env_config_hash": facts.env_config_hash}),
+        },
+        "model": {
+            "path": facts.model_path,
+            "config_hash": ident.get("model_config_sha256"),
+            **_present({"base_weight_shard_manifest": facts.base_weight_shard_manifest}),
+        },
+        "tokenizer": {
+            "config_hash": ident.get("tokenizer_vocab_sha256"),
+            **_present(
+                {
+                    "tokenizer_config_hash": ident.get("tokenizer_config_sha256"),
+                    "chat_template_hash": ident.get("chat_template_sha256"),
+                    "training_chat_template_hash": ident.get("training_chat_template_sha256"),
+                }
+            ),
+        },
+        "adapters": {"base": facts.base_adapter, "output": output or dict(NULL_ADAPTER_IDENTITY)},
+        "training_data": {
+            "source": ing["source"],
+            "path": ing.get("source_locator"),
+            "sha256": ing["kept_corpus_sha256"],
+        },
+    }
+
+
+def _training_sections(facts: RunFacts, *, succeeded: bool) -> dict:
+    """From `hyperparameters` to `phase_timings`: how the run trained and on how much. The RL
+    sections (GRPO, echo, rewards) record that SFT used none of them."""
+    ing = facts.ingestion
+    trained = ing["rows_kept"] * facts.epochs if succeeded else facts.steps_completed
+    epochs_for_tokens = facts.epochs if succeeded else facts.epochs_completed
+    context = facts.tokens_per_epoch - facts.supervised_per_epoch
+    return {
+        "hyperparameters": {
+            "mode": "sft",
+            "rank": facts.rank,
+            "alpha": facts.alpha,
+            "alpha_over_rank": facts.alpha / facts.rank,
+            "learning_rate": facts.learning_rate,
+            "epochs": facts.epochs,
+            "seed": str(facts.seed),
+            "shuffle": True,
+        },
+        "grpo": None,
+        "echo": {
+            "enabled": False,
+            "lambda": None,
+            "env_mask_mode": None,
+            "warning_filter": None,
+            "initial_env_ce": None,
+            "final_env_ce": None,
+        },
+        "no_policy_loss": False,
+        "data": {
+            "examples_read": ing["rows_read"],
+            "examples_filtered": ing["rows_rejected"],
+            "examples_trained": trained,
+            **dict.fromkeys(_RL_DATA_COUNTS, 0),
+            "sft_ingestion": ing,
+        },
+        "rewards": _NO_REWARDS | {"group_variance_histogram": []},
+        "token_counts": {
+            "action_tokens": facts.supervised_per_epoch * epochs_for_tokens,
+            **dict.fromkeys(_ENV_TOKEN_COUNTS, 0),
+            "context_tokens": context * epochs_for_tokens,
+        },
+        "phase_timings": {**dict.fromkeys(_PHASE_TIMINGS, 0), **facts.phase_timings},
+    }
+
+
+# Fields of the RL sections that an SFT run records as zero or null, in the contract's order.
+_RL_DATA_COUNTS = (
+    "groups_read",
+    "groups_filtered",
+    "groups_trained",
+    "completions_read",
+    "completions_trained",
+    "reward_groups_filtered",
+    "reward_groups_kept",
+)
+_NO_REWARDS = {
+    "count": 0,
+    "mean": None,
+    "stdev": None,
+    "min": None,
+    "max": None,
+    "group_count": 0,
+    "all_pass_group_count": 0,
+    "all_fail_group_count": 0,
+    "degenerate_group_count": 0,
+}
+_ENV_TOKEN_COUNTS = (
+    "env_tokens",
+    "env_tokens_before_warning_filter",
+    "env_tokens_after_warning_filter",
+    "warning_tokens_filtered",
+)
+_PHASE_TIMINGS = (
+    "tokenize_ms",
+    "mask_build_ms",
+    "reference_forward_ms",
+    "policy_forward_ms",
+    "backward_ms",
+    "optimizer_ms",
+    "gpu_writer_wait_ms",
+    "gpu_writer_held_ms",
+    "gpu_writer_acquisitions",
+)
+
+
+def _runtime_section(facts: RunFacts) -> dict:
+    return {
+        "wall_clock_ms": facts.wall_clock_ms,
+        "peak_vram_mib": _device_peak_mib(facts),
+        **_present(
+            {
+                "sft_loss_route": facts.loss_route,
+                "execution_provenance": facts.execution_provenance,
+                "training_precision": facts.training_precision,
+            }
+        ),
+        # additive (allowed within version 1): the backend's peak, host RSS on CPU
+        "peak_memory_bytes": facts.peak_memory_bytes,
+        # additive: torch's intra-op thread count the run's CPU kernels used (it changes
+        # how CPU reductions split, hence bits; a resume runs with the recorded count)
+        **_present({"cpu_threads": facts.cpu_threads}),
+    }
+
+
+def _config_hashes(facts: RunFacts) -> dict:
+    ident = facts.model_identity
+    return _present(
+        {
+            "tokenizer_config_hash": ident.get("tokenizer_config_sha256"),
+            "chat_template_hash": ident.get("chat_template_sha256"),
+            "training_chat_template_hash": ident.get("training_chat_template_sha256"),
+            "model_config_hash": ident.get("model_config_sha256"),
+            "kiln_env_config_hash": facts.env_config_hash,
+        }
+    )
 
 
 def adapter_manifest(receipt: dict, hashes: dict, *, parent_adapter: str | None) -> dict:
@@ -298,13 +284,13 @@ def adapter_manifest(receipt: dict, hashes: dict, *, parent_adapter: str | None)
         "training_data_path": receipt["training_data"]["path"],
         "openenv_training_data": None,
         "target_modules": {
-            "full_attention": ["q_proj", "k_proj", "v_proj", "o_proj"],
-            "gated_deltanet": ["in_proj_qkv", "in_proj_z", "out_proj"],
-            "mlp": ["gate_proj", "up_proj", "down_proj"],
+            "full_attention": list(ATTENTION_TARGETS),
+            "gated_deltanet": list(GDN_TARGETS),
+            "mlp": list(MLP_TARGETS),
         },
         "files": {
-            "adapter_model": "adapter_model.safetensors",
-            "adapter_config": "adapter_config.json",
-            "train_receipt": "train_receipt.json",
+            "adapter_model": ADAPTER_MODEL,
+            "adapter_config": ADAPTER_CONFIG,
+            "train_receipt": TRAIN_RECEIPT,
         },
     }

@@ -16,7 +16,6 @@ from kiln_train.checkpoint.draft import (
     sft_rng_states,
     sft_scheduler_record,
     sft_state_files,
-    utc_now_rfc3339,
 )
 from kiln_train.checkpoint.epoch_order import EPOCH_ORDER_ALGORITHM, epoch_order
 from kiln_train.checkpoint.errors import CheckpointError
@@ -26,7 +25,6 @@ from kiln_train.checkpoint.load import (
     LoadedCheckpoint,
     checkpoint_names,
     discover_checkpoints,
-    latest_valid_checkpoint,
     load_checkpoint,
     read_checkpoint_manifest,
 )
@@ -100,7 +98,6 @@ __all__ = [
     "compare_for_resume",
     "discover_checkpoints",
     "epoch_order",
-    "latest_valid_checkpoint",
     "load_checkpoint",
     "parse_loop_state",
     "parse_manifest_bytes",
@@ -113,7 +110,6 @@ __all__ = [
     "sft_rng_states",
     "sft_scheduler_record",
     "sft_state_files",
-    "utc_now_rfc3339",
     "validate_loop_state",
     "validate_manifest",
     "verify_queued_checkpoint",

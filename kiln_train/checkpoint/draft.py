@@ -10,11 +10,11 @@ Torch-free.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import ValidationError
 
+from kiln_train.artifacts.digest import utc_now_rfc3339
 from kiln_train.checkpoint.epoch_order import EPOCH_ORDER_ALGORITHM
 from kiln_train.checkpoint.errors import CheckpointError
 from kiln_train.checkpoint.manifest import (
@@ -43,11 +43,6 @@ from kiln_train.checkpoint.manifest import (
     strip_sha256_prefix,
 )
 from kiln_train.sft_config import TRAINING_PROFILE, SftConfig
-
-
-def utc_now_rfc3339() -> str:
-    """Current UTC time as RFC 3339 with milliseconds and a `Z` suffix."""
-    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 @dataclass(frozen=True)

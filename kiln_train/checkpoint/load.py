@@ -12,13 +12,14 @@ ones reported rather than hidden. Torch-free.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from kiln_train.artifacts.adapter_layout import ADAPTER_CONFIG, ADAPTER_MODEL
+from kiln_train.artifacts.digest import sha256_hex
 from kiln_train.checkpoint import fs
 from kiln_train.checkpoint.errors import CheckpointError
 from kiln_train.checkpoint.loop_state import SftLoopState, check_loop_state_progress, parse_loop_state
@@ -34,7 +35,7 @@ from kiln_train.checkpoint.manifest import (
 )
 from kiln_train.checkpoint.rules import validate_manifest
 
-PEFT_MARKERS = ("adapter_config.json", "adapter_model.safetensors")
+PEFT_MARKERS = (ADAPTER_CONFIG, ADAPTER_MODEL)
 PEFT_MESSAGE = "PEFT adapter snapshots are not resumable checkpoints"
 
 
@@ -58,7 +59,7 @@ class LoadedCheckpoint:
         path = self.file_path(rel)
         try:
             data = fs.read_regular_file(path, rel, "file set")
-            _check_content(rel, self.files[rel], len(data), hashlib.sha256(data).hexdigest())
+            _check_content(rel, self.files[rel], len(data), sha256_hex(data))
         except CheckpointError as exc:
             raise CheckpointError(f"checkpoint {self.path.name!r}: {exc.detail}") from None
         return data
@@ -117,7 +118,7 @@ def _read_manifest(path: Path) -> tuple[CheckpointManifest, str]:
             f"the directory name is not {expected!r} (from {MANIFEST_FILENAME}: adapter_name "
             f"{manifest.adapter_name!r}, progress.global_step {manifest.progress.global_step})"
         )
-    return manifest, hashlib.sha256(data).hexdigest()
+    return manifest, sha256_hex(data)
 
 
 def _check_content(rel: str, record: FileRecord, size: int, sha256: str | None) -> None:
@@ -169,7 +170,7 @@ def load_checkpoint(path: Path, *, verify_hashes: bool = True) -> LoadedCheckpoi
             _check_content(rel, record, size, sha256)
         # Read the loop state once: the bytes that are checked are the bytes that are parsed.
         data = fs.read_regular_file(path / loop_rel, loop_rel, "file set")
-        sha256 = hashlib.sha256(data).hexdigest() if verify_hashes else None
+        sha256 = sha256_hex(data) if verify_hashes else None
         _check_content(loop_rel, manifest.files[loop_rel], len(data), sha256)
         state = parse_loop_state(data)
         check_loop_state_progress(state, manifest.progress)
@@ -240,9 +241,3 @@ def checkpoint_names(registry_dir: Path, adapter_name: str) -> dict[int, str]:
             if match is not None and entry.name == checkpoint_dir_name(adapter_name, int(match.group(1))):
                 found[int(match.group(1))] = entry.name
     return dict(sorted(found.items()))
-
-
-def latest_valid_checkpoint(registry_dir: Path, adapter_name: str) -> DiscoveredCheckpoint | None:
-    """The highest-step checkpoint of the adapter whose manifest validates, or None."""
-    valid = [c for c in discover_checkpoints(registry_dir, adapter_name) if c.valid]
-    return valid[-1] if valid else None

@@ -194,18 +194,12 @@ class RngStates(BaseModel):
     epoch_order: RngState = Field(alias=EPOCH_ORDER_STREAM)
     lora_init: RngState = Field(alias=LORA_INIT_STREAM)
 
-    @field_validator("epoch_order")
+    @field_validator("epoch_order", "lora_init")
     @classmethod
-    def _epoch_algorithm(cls, v: RngState) -> RngState:
-        if v.algorithm != EPOCH_ORDER_ALGORITHM:
-            raise ValueError(f"algorithm {v.algorithm!r} is not {EPOCH_ORDER_ALGORITHM!r}")
-        return v
-
-    @field_validator("lora_init")
-    @classmethod
-    def _init_algorithm(cls, v: RngState) -> RngState:
-        if v.algorithm != LORA_INIT_ALGORITHM:
-            raise ValueError(f"algorithm {v.algorithm!r} is not {LORA_INIT_ALGORITHM!r}")
+    def _algorithm(cls, v: RngState, info) -> RngState:
+        expected = EPOCH_ORDER_ALGORITHM if info.field_name == "epoch_order" else LORA_INIT_ALGORITHM
+        if v.algorithm != expected:
+            raise ValueError(f"algorithm {v.algorithm!r} is not {expected!r}")
         return v
 
 

@@ -27,7 +27,6 @@ Torch-free.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import shutil
 import time
@@ -36,6 +35,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kiln_train.artifacts.digest import sha256_hex
 from kiln_train.artifacts.fencing import Fence, adopt_files, fenced_rename, grab_leftover, put_back
 from kiln_train.checkpoint import fs
 from kiln_train.checkpoint.draft import ManifestDraft
@@ -232,9 +232,7 @@ def _identical(
         if not isinstance(artifact, bytes | bytearray | memoryview):
             return False  # a writer callable: its bytes are unknown until written
         data = bytes(artifact)
-        files[rel] = FileRecord(
-            role=roles[rel], size_bytes=len(data), sha256=hashlib.sha256(data).hexdigest()
-        )
+        files[rel] = FileRecord(role=roles[rel], size_bytes=len(data), sha256=sha256_hex(data))
     ours = draft.to_manifest(files).model_dump(mode="json")
     theirs = manifest.model_dump(mode="json")
     ours.pop("created_at")
@@ -281,7 +279,7 @@ def _settle_leftover(
     return PublishedCheckpoint(
         path=target,
         manifest=manifest,
-        manifest_sha256=hashlib.sha256(manifest_bytes).hexdigest(),
+        manifest_sha256=sha256_hex(manifest_bytes),
         total_bytes=sum(r.size_bytes for r in manifest.files.values()) + len(manifest_bytes),
         publish_ms=(time.perf_counter() - started) * 1000.0,
     )
@@ -362,7 +360,7 @@ def publish_checkpoint(
     return PublishedCheckpoint(
         path=target,
         manifest=manifest,
-        manifest_sha256=hashlib.sha256(manifest_bytes).hexdigest(),
+        manifest_sha256=sha256_hex(manifest_bytes),
         total_bytes=total,
         publish_ms=publish_ms,
     )

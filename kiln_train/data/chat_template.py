@@ -22,7 +22,6 @@ The environment matches Transformers' chat-template environment: immutable sandb
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from functools import lru_cache
@@ -33,8 +32,12 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from kiln_train.artifacts.digest import text_sha256_hex
+from kiln_train.data.tokenizer import TOKENIZER_CONFIG_FILE
 from kiln_train.errors import TRAINING_BACKEND_UNSUPPORTED, KilnError, backend_unsupported
 
+# A model directory's own template, beside its tokenizer files.
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 INFERENCE_TEMPLATE_FILE = TEMPLATE_DIR / "qwen3_5_chat_template.jinja"
 # The template Qwen3.5-2B and smaller ship (TRL's `qwen3_5_nothink.jinja`): the think template with
@@ -46,7 +49,6 @@ TRAINING_TEMPLATE_FILE = TEMPLATE_DIR / "qwen3_5_training.jinja"
 # in a row's data fails that row (conversation.py) before rendering; `render` re-checks the output.
 SPAN_OPEN = "\ufdd0"
 SPAN_CLOSE = "\ufdd1"
-SPAN_MARKERS = (SPAN_OPEN, SPAN_CLOSE)
 
 
 class TemplateRenderError(ValueError):
@@ -95,11 +97,6 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
-def sha256_text(text: str) -> str:
-    """Hex SHA-256 of a template's UTF-8 bytes (the form the receipt and provenance carry)."""
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
 def extract_spans(marked: str, expected: int | None = None) -> RenderedConversation:
     """Strip the span markers from `marked`; spans are in marker-free character coordinates.
 
@@ -145,7 +142,7 @@ class ChatTemplate:
     def __init__(self, source: str, name: str = "<template>") -> None:
         self.source = source
         self.name = name
-        self.sha256 = sha256_text(source)
+        self.sha256 = text_sha256_hex(source)
         self._compiled = _environment().from_string(source)
 
     def render_marked(self, messages: list[dict], tools: list[dict] | None = None) -> str:
@@ -184,7 +181,7 @@ def training_chat_template_sha256() -> str:
 
 def chat_template_sha256(text: str | None = None) -> str:
     """Hex SHA-256 of a model's inference chat template (default: the official Qwen3.5 one)."""
-    return sha256_text(official_chat_template() if text is None else text)
+    return text_sha256_hex(official_chat_template() if text is None else text)
 
 
 class ChatTemplateSourceError(KilnError):
@@ -208,7 +205,7 @@ def load_model_chat_template(model_dir: str | Path) -> str | None:
     the file and field, instead of a UnicodeDecodeError / AttributeError, or "no chat template".
     """
     root = Path(model_dir)
-    jinja_file = root / "chat_template.jinja"
+    jinja_file = root / CHAT_TEMPLATE_FILE
     if jinja_file.is_file():
         try:
             return jinja_file.read_bytes().decode("utf-8")
@@ -217,7 +214,7 @@ def load_model_chat_template(model_dir: str | Path) -> str | None:
                 f"chat_template.jinja in {root} is not UTF-8 text ({exc.reason} at byte {exc.start})",
                 jinja_file.name,
             ) from None
-    config_file = root / "tokenizer_config.json"
+    config_file = root / TOKENIZER_CONFIG_FILE
     if not config_file.is_file():
         return None
     try:
@@ -266,10 +263,10 @@ def select_training_template(model_chat_template: str | None) -> ChatTemplate:
     if model_chat_template is None:
         raise backend_unsupported("the model directory has no chat template (chat_template.jinja)")
     if model_chat_template not in official_chat_templates().values():
-        known = ", ".join(f"{k} {sha256_text(v)}" for k, v in official_chat_templates().items())
+        known = ", ".join(f"{k} {text_sha256_hex(v)}" for k, v in official_chat_templates().items())
         raise backend_unsupported(
             "the model's chat template is not an official Qwen3.5 template "
-            f"(sha256 {sha256_text(model_chat_template)}; known: {known}); "
+            f"(sha256 {text_sha256_hex(model_chat_template)}; known: {known}); "
             "no verified SFT training variant exists for it"
         )
     return training_template()

@@ -61,14 +61,14 @@ from kiln_train.data.ingestion_receipt import (
     build_ingestion_receipt,
     validate_ingestion_receipt,
 )
-from kiln_train.data.labels import MASK_CONTRACT, build_labels, token_ranges
+from kiln_train.data.labels import MASK_CONTRACT, label_encoding
 from kiln_train.data.row_identity import (
     PARSED_ROW_DOMAIN,
-    canonical_json,
     domain_digest,
     kept_corpus_sha256,
     parsed_row_sha256,
     raw_row_sha256,
+    serde_canonical_json,
 )
 from kiln_train.errors import invalid_request
 
@@ -244,7 +244,7 @@ def _parse(obj) -> tuple[dict, str]:
     is not an SFT example."""
     parsed = parse_example(obj)
     try:
-        canonical = canonical_json(parsed)
+        canonical = serde_canonical_json(parsed)
         canonical.encode("utf-8")  # lone surrogates cannot be hashed (nor sent by a JSON encoder)
     except (TypeError, ValueError) as exc:  # TypeError: a Python caller's non-JSON value or key
         raise RowSchemaError("example", f"not representable as JSON: {exc}") from None
@@ -351,7 +351,7 @@ def _back(pending: list[_Pending], tokenizer, t: IngestionTimings) -> list[RowOu
             )
             continue
         ids = enc.ids
-        labels = build_labels(ids, token_ranges(enc, p.rendered.spans))
+        labels = label_encoding(enc, p.rendered.spans)
         if labels.supervised_tokens == 0:
             out.append(
                 RowOutcome(

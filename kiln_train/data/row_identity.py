@@ -5,8 +5,8 @@
 - kept corpus: SHA256(b"kiln.sft-kept-corpus.v1\\0" + for each kept hash string, in order,
   u64 big-endian length of the string + its ASCII bytes)
 
-Canonical JSON is serde_json's compact form of a key-sorted value: no whitespace, non-ASCII kept
-as UTF-8, only `"`, `\\` and control characters escaped (lower-case `\\u00xx`). Python's
+The row's canonical JSON (`serde_canonical_json`) is serde_json's compact form of a key-sorted
+value: no whitespace, non-ASCII kept as UTF-8, only `"`, `\\` and control characters escaped (lower-case `\\u00xx`). Python's
 `json.dumps(..., sort_keys=True, separators=(",", ":"), ensure_ascii=False)` writes exactly that
 for strings, integers, booleans and null. Numbers that serde_json holds as f64 are written the way
 serde_json writes them (ryu's shortest round-trip digits in ryu's layout: `1.5`, `100.0`,
@@ -25,10 +25,11 @@ import hashlib
 import json
 import re
 
+from kiln_train.artifacts.digest import DIGEST_PREFIX
+
 PARSED_ROW_DOMAIN = b"kiln.sft-parsed-row.v1"
 RAW_ROW_DOMAIN = b"kiln.sft-raw-row.v1"
 KEPT_CORPUS_DOMAIN = b"kiln.sft-kept-corpus.v1"
-DIGEST_PREFIX = "sha256:"
 DIGEST_PATTERN = re.compile(r"sha256:[0-9a-f]{64}")
 
 
@@ -43,8 +44,8 @@ def domain_digest(domain: bytes, payload: bytes) -> str:
 I64_MIN, U64_MAX = -(2**63), 2**64 - 1
 
 
-def canonical_json(obj) -> str:
-    """Compact, key-sorted JSON text (see module docstring). Raises ValueError on NaN/Infinity."""
+def serde_canonical_json(obj) -> str:
+    """Compact, key-sorted JSON text as serde_json writes it (see module docstring). Raises ValueError on NaN/Infinity."""
     if not _has_serde_float(obj):
         return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     return "".join(_serde_pieces(obj))
@@ -132,7 +133,7 @@ def serde_f64(value: float) -> str:
 
 def parsed_row_sha256(obj) -> str:
     """Identity of a parsed row; `obj` is the normalised example (`{"messages": [...], ...}`)."""
-    return domain_digest(PARSED_ROW_DOMAIN, canonical_json(obj).encode("utf-8"))
+    return domain_digest(PARSED_ROW_DOMAIN, serde_canonical_json(obj).encode("utf-8"))
 
 
 def raw_row_sha256(line: bytes) -> str:

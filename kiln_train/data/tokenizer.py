@@ -18,6 +18,9 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 
 from kiln_train.errors import TRAINING_BACKEND_UNSUPPORTED, KilnError
 
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
 SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
     r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -164,9 +167,9 @@ def write_tokenizer(out_dir: str | Path, tok: Tokenizer | None = None) -> list[P
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = tok or build_tokenizer()
-    tj = out / "tokenizer.json"
+    tj = out / TOKENIZER_FILE
     tok.save(str(tj))
-    tc = out / "tokenizer_config.json"
+    tc = out / TOKENIZER_CONFIG_FILE
     tc.write_text(json.dumps(tokenizer_config(), indent=2) + "\n", encoding="utf-8")
     return [tj, tc]
 
@@ -188,7 +191,7 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     training examples.
     """
     path = Path(model_dir)
-    path = path if path.suffix == ".json" else path / "tokenizer.json"
+    path = path if path.suffix == ".json" else path / TOKENIZER_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no tokenizer.json at {path}")
     try:

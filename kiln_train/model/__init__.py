@@ -7,14 +7,14 @@ reading that the api's memory admission needs) import without torch.
 
 from __future__ import annotations
 
-import importlib
+from kiln_train import lazy_getattr
 
 _EXPORTS = {
     "segment_bounds": "kiln_train.model.checkpointing",
     "chunk_gated_delta_rule": "kiln_train.model.delta_rule",
     "gated_delta_rule": "kiln_train.model.delta_rule",
     "recurrent_gated_delta_rule": "kiln_train.model.delta_rule",
-    "CheckpointError": "kiln_train.model.loader",
+    "ModelCheckpointError": "kiln_train.model.loader",
     "load_model": "kiln_train.model.loader",
     "load_state_into": "kiln_train.model.loader",
     "load_tensors_into": "kiln_train.model.loader",
@@ -28,8 +28,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kiln_train.model' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

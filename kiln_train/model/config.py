@@ -5,7 +5,6 @@ Torch-free: the api uses it for memory admission and the optimizer support repor
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -13,25 +12,16 @@ from pathlib import Path
 
 from kiln_train.errors import backend_unsupported
 
+CONFIG_FILE = "config.json"
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
 
-# The ten LoRA targets of the contract, in the contract's order (kiln-contract §6.2).
-LORA_TARGET_MODULES = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "in_proj_qkv",
-    "in_proj_z",
-    "out_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
+# The ten LoRA targets of the contract, in the contract's order (kiln-contract §6.2): the
+# full-attention projections, the Gated DeltaNet projections, then the MLP's.
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 GDN_TARGETS = ("in_proj_qkv", "in_proj_z", "out_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+LORA_TARGET_MODULES = ATTENTION_TARGETS + GDN_TARGETS + MLP_TARGETS
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -109,10 +99,6 @@ class Qwen35Config:
     @property
     def linear_conv_dim(self) -> int:
         return 2 * self.linear_key_dim + self.linear_value_dim
-
-    @property
-    def num_full_attention_layers(self) -> int:
-        return sum(1 for t in self.layer_types if t == FULL_ATTENTION)
 
     @property
     def dtype_bytes(self) -> int:
@@ -293,7 +279,7 @@ def _float_field(d: dict, name: str, default: float, *, where: str = "") -> floa
 
 def _refuse_foreign(raw: dict, text: dict) -> None:
     """Mixture-of-Experts and non-Qwen3.5 configs are refused, never loaded as a dense model."""
-    for scope, d in (("config.json", raw), ("text_config", text)):
+    for scope, d in ((CONFIG_FILE, raw), ("text_config", text)):
         model_type = d.get("model_type")
         archs = d.get("architectures") or []
         archs = [str(a) for a in archs] if isinstance(archs, list) else [str(archs)]
@@ -351,76 +337,21 @@ def parse_config(raw: dict) -> Qwen35Config:
     _refuse_foreign(raw, text)
     try:
         ints = {name: _int_field(text, name, where=where) for name in REQUIRED_FIELDS}
-        layers = ints["num_hidden_layers"]
-        layer_types = text.get("layer_types")
-        if layer_types is None:
-            interval = _int_field(
-                text, "full_attention_interval", default=DEFAULT_FULL_ATTENTION_INTERVAL, where=where
-            )
-            layer_types = [
-                FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers)
-            ]
-        if (
-            not isinstance(layer_types, list | tuple)
-            or len(layer_types) != layers
-            or any(t not in (FULL_ATTENTION, LINEAR_ATTENTION) for t in layer_types)
-        ):
-            raise _ConfigFieldError(
-                f"field 'layer_types'{where} must list {layers} of {FULL_ATTENTION!r}/{LINEAR_ATTENTION!r}, "
-                f"got {_short_repr(layer_types)}"
-            )
-        rope = _pick(text, "rope_parameters", "rope_scaling", default={})
-        if not isinstance(rope, dict):
-            raise _ConfigFieldError(f"field 'rope_parameters'{where} must be an object, got {rope!r}")
-        rope_type = _pick(rope, "rope_type", "type", default="default")
-        if rope_type not in PLAIN_ROPE_TYPES:
-            raise _ConfigFieldError(
-                f"rope_parameters.rope_type {rope_type!r}{where} (RoPE scaling) is not supported; "
-                "only the plain Qwen3.5 RoPE ('default') is implemented"
-            )
-        top = _float_field(text, "rope_theta", DEFAULT_ROPE_THETA, where=where)
-        rope_theta = _float_field(rope, "rope_theta", top, where=" (in rope_parameters)")
-        top = _float_field(text, "partial_rotary_factor", DEFAULT_PARTIAL_ROTARY_FACTOR, where=where)
-        prf = _float_field(rope, "partial_rotary_factor", top, where=" (in rope_parameters)")
-        rotary_dim = int(ints["head_dim"] * prf)
-        if not 0.0 < prf <= 1.0 or rotary_dim % 2:
-            # transformers rotates int(head_dim·factor) channels with rotate-half; an odd count has
-            # no rotate-half split (0 is fine: no channel rotates).
-            raise _ConfigFieldError(
-                f"partial_rotary_factor {prf} of head_dim {ints['head_dim']} gives rotary dim {rotary_dim}; "
-                "it must be even, with the factor in (0, 1]"
-            )
-        if rope_theta <= 0:
-            raise _ConfigFieldError(f"rope_theta {rope_theta}{where} must be positive")
-        act = text.get("hidden_act", "silu")
-        if act not in SUPPORTED_ACTIVATIONS:
-            # transformers builds the MLP from hidden_act; Kiln's Qwen3.5 MLP is SwiGLU (silu) only.
-            raise _ConfigFieldError(f"field 'hidden_act'{where} is {act!r}; only 'silu' is implemented")
-        if text.get("attention_bias") not in (None, False):
-            raise _ConfigFieldError(
-                f"field 'attention_bias'{where} is {text.get('attention_bias')!r}; Qwen3.5 attention has "
-                "no biases and Kiln implements none"
-            )
+        layer_types = _layer_types(text, ints["num_hidden_layers"], where)
+        rope_theta, prf = _rope(text, ints["head_dim"], where)
+        _refuse_unimplemented(text, where)
         eps = _float_field(text, "rms_norm_eps", 1e-6, where=where)
         if eps <= 0:
             raise _ConfigFieldError(f"field 'rms_norm_eps'{where} must be positive, got {eps}")
-        tie = _pick(raw, "tie_word_embeddings", default=_pick(text, "tie_word_embeddings", default=False))
-        if not isinstance(tie, bool):
-            raise _ConfigFieldError(f"field 'tie_word_embeddings' must be true or false, got {tie!r}")
-        dtype = str(
-            _pick(
-                text, "dtype", "torch_dtype", default=_pick(raw, "dtype", "torch_dtype", default="bfloat16")
-            )
+        tie = _tie_word_embeddings(raw, text)
+        dtype = _pick(
+            text, "dtype", "torch_dtype", default=_pick(raw, "dtype", "torch_dtype", default="bfloat16")
         )
-        eos = _pick(text, "eos_token_id", default=_pick(raw, "eos_token_id"))
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int)):
-            raise _ConfigFieldError(f"field 'eos_token_id' must be an integer or a list of them, got {eos!r}")
+        eos = _eos_token_id(raw, text)
         cfg = Qwen35Config(
             **ints,
             linear_conv_kernel_dim=_int_field(text, "linear_conv_kernel_dim", default=4, where=where),
-            layer_types=tuple(layer_types),
+            layer_types=layer_types,
             rms_norm_eps=eps,
             rope_theta=rope_theta,
             partial_rotary_factor=prf,
@@ -429,12 +360,97 @@ def parse_config(raw: dict) -> Qwen35Config:
                 text, "mtp_num_hidden_layers", default=0, minimum=0, where=where
             ),
             max_position_embeddings=_int_field(text, "max_position_embeddings", default=262144, where=where),
-            dtype=dtype,
+            dtype=str(dtype),
             eos_token_id=eos,
             extra=dict(raw),
         )
     except _ConfigFieldError as exc:
         raise backend_unsupported(f"config.json is not a usable Qwen3.5 text config: {exc}") from None
+    _check_head_groups(cfg)
+    return cfg
+
+
+def _layer_types(text: dict, layers: int, where: str) -> tuple[str, ...]:
+    """Each layer's attention kind: `layer_types` as given, else a full-attention layer every
+    `full_attention_interval`-th."""
+    layer_types = text.get("layer_types")
+    if layer_types is None:
+        interval = _int_field(
+            text, "full_attention_interval", default=DEFAULT_FULL_ATTENTION_INTERVAL, where=where
+        )
+        layer_types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers)]
+    if (
+        not isinstance(layer_types, list | tuple)
+        or len(layer_types) != layers
+        or any(t not in (FULL_ATTENTION, LINEAR_ATTENTION) for t in layer_types)
+    ):
+        raise _ConfigFieldError(
+            f"field 'layer_types'{where} must list {layers} of {FULL_ATTENTION!r}/{LINEAR_ATTENTION!r}, "
+            f"got {_short_repr(layer_types)}"
+        )
+    return tuple(layer_types)
+
+
+def _rope(text: dict, head_dim: int, where: str) -> tuple[float, float]:
+    """(rope θ, partial rotary factor): plain RoPE only, rope_parameters winning over top-level keys."""
+    rope = _pick(text, "rope_parameters", "rope_scaling", default={})
+    if not isinstance(rope, dict):
+        raise _ConfigFieldError(f"field 'rope_parameters'{where} must be an object, got {rope!r}")
+    rope_type = _pick(rope, "rope_type", "type", default="default")
+    if rope_type not in PLAIN_ROPE_TYPES:
+        raise _ConfigFieldError(
+            f"rope_parameters.rope_type {rope_type!r}{where} (RoPE scaling) is not supported; "
+            "only the plain Qwen3.5 RoPE ('default') is implemented"
+        )
+    top = _float_field(text, "rope_theta", DEFAULT_ROPE_THETA, where=where)
+    rope_theta = _float_field(rope, "rope_theta", top, where=" (in rope_parameters)")
+    top = _float_field(text, "partial_rotary_factor", DEFAULT_PARTIAL_ROTARY_FACTOR, where=where)
+    prf = _float_field(rope, "partial_rotary_factor", top, where=" (in rope_parameters)")
+    rotary_dim = int(head_dim * prf)
+    if not 0.0 < prf <= 1.0 or rotary_dim % 2:
+        # transformers rotates int(head_dim·factor) channels with rotate-half; an odd count has
+        # no rotate-half split (0 is fine: no channel rotates).
+        raise _ConfigFieldError(
+            f"partial_rotary_factor {prf} of head_dim {head_dim} gives rotary dim {rotary_dim}; "
+            "it must be even, with the factor in (0, 1]"
+        )
+    if rope_theta <= 0:
+        raise _ConfigFieldError(f"rope_theta {rope_theta}{where} must be positive")
+    return rope_theta, prf
+
+
+def _refuse_unimplemented(text: dict, where: str) -> None:
+    """Activations and attention biases Kiln's Qwen3.5 layers do not implement."""
+    act = text.get("hidden_act", "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        # transformers builds the MLP from hidden_act; Kiln's Qwen3.5 MLP is SwiGLU (silu) only.
+        raise _ConfigFieldError(f"field 'hidden_act'{where} is {act!r}; only 'silu' is implemented")
+    if text.get("attention_bias") not in (None, False):
+        raise _ConfigFieldError(
+            f"field 'attention_bias'{where} is {text.get('attention_bias')!r}; Qwen3.5 attention has "
+            "no biases and Kiln implements none"
+        )
+
+
+def _tie_word_embeddings(raw: dict, text: dict) -> bool:
+    tie = _pick(raw, "tie_word_embeddings", default=_pick(text, "tie_word_embeddings", default=False))
+    if not isinstance(tie, bool):
+        raise _ConfigFieldError(f"field 'tie_word_embeddings' must be true or false, got {tie!r}")
+    return tie
+
+
+def _eos_token_id(raw: dict, text: dict) -> int | None:
+    """The end-of-sequence id (the first of a list), from the text config or the wrapper."""
+    eos = _pick(text, "eos_token_id", default=_pick(raw, "eos_token_id"))
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int)):
+        raise _ConfigFieldError(f"field 'eos_token_id' must be an integer or a list of them, got {eos!r}")
+    return eos
+
+
+def _check_head_groups(cfg: Qwen35Config) -> None:
+    """Grouped heads must divide evenly: value heads over key heads (GDN), query over KV heads."""
     if cfg.linear_num_value_heads % cfg.linear_num_key_heads != 0:
         raise backend_unsupported(
             f"config.json: linear_num_value_heads ({cfg.linear_num_value_heads}) must be a multiple of "
@@ -445,7 +461,6 @@ def parse_config(raw: dict) -> Qwen35Config:
             f"config.json: num_attention_heads ({cfg.num_attention_heads}) must be a multiple of "
             f"num_key_value_heads ({cfg.num_key_value_heads})"
         )
-    return cfg
 
 
 def load_config(model_dir: str | Path) -> Qwen35Config:
@@ -456,7 +471,7 @@ def load_config(model_dir: str | Path) -> Qwen35Config:
         raise backend_unsupported(
             f"model directory {model_dir} is not a directory (give the checkpoint's folder)"
         )
-    path = root / "config.json"
+    path = root / CONFIG_FILE
     if not path.is_file():
         raise backend_unsupported(f"no config.json in model directory {model_dir}")
     try:
@@ -464,12 +479,3 @@ def load_config(model_dir: str | Path) -> Qwen35Config:
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise backend_unsupported(f"{path} is not readable JSON: {exc}") from None
     return parse_config(raw)
-
-
-def file_sha256(path: str | Path) -> str:
-    """Plain SHA-256 of a file, 64 lowercase hex (no prefix)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()

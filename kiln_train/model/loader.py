@@ -7,7 +7,7 @@ Accepted layouts: `config.json` with or without the VL wrapper (`text_config`); 
 Vision tensors (`model.visual.*`) are ignored; MTP tensors (`mtp.*`) are recognised, not loaded,
 and their names recorded in `model.mtp_tensor_names` (kiln never trains or runs the MTP head).
 Missing, unexpected, duplicated, mis-shaped or non-float tensors, index entries whose shard is
-missing or lacks the tensor, and unreadable files raise `CheckpointError` (code
+missing or lacks the tensor, and unreadable files raise `ModelCheckpointError` (code
 training_backend_unsupported) naming the checkpoint key (`tensor`), the file (`file`) and, for
 shapes, expected vs got.
 
@@ -42,8 +42,9 @@ FLOAT_DTYPES = {"F32", "BF16", "F16", "F64"}
 MOE_TENSOR_MARKERS = re.compile(r"\.mlp\.(experts|gate|shared_expert|shared_expert_gate)\.")
 
 
-class CheckpointError(KilnError):
-    """A checkpoint directory that is not a loadable Qwen3.5 text model.
+class ModelCheckpointError(KilnError):
+    """A model checkpoint directory (Hugging Face weights) that is not a loadable Qwen3.5 text
+    model. Exact training checkpoints have their own error, `kiln_train.checkpoint.CheckpointError`.
 
     `tensor` names the culprit tensor (its checkpoint key) and `file` the file it lives in (or the
     index / directory that should have held it), when there is one.
@@ -64,14 +65,14 @@ def resolve_dtype(device: torch.device, dtype: torch.dtype | None) -> torch.dtyp
 
 
 def _shard_keys(path: Path) -> list[str]:
-    """Tensor keys in one safetensors file's header; a CheckpointError names an unreadable file."""
+    """Tensor keys in one safetensors file's header; a ModelCheckpointError names an unreadable file."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
             return list(f.keys())  # noqa: SIM118 (safe_open is not a mapping)
     except Exception as exc:  # safetensors raises its own error types for malformed files
-        raise CheckpointError(
+        raise ModelCheckpointError(
             f"{path.name} in {path.parent} is not a readable safetensors file: {exc}", file=path.name
         ) from None
 
@@ -94,7 +95,7 @@ def _shard_path(model_dir: Path, key: str, name: str) -> Path:
     is fine: it is a file of the directory.
     """
     if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
-        raise CheckpointError(
+        raise ModelCheckpointError(
             f"{INDEX_FILE} in {model_dir} maps tensor {key!r} to {name!r}, which is not a file name in the "
             "model directory (shards must be plain file names next to the index)",
             key,
@@ -112,13 +113,13 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
                 "weight_map"
             ]
         except (ValueError, KeyError, TypeError, UnicodeDecodeError, OSError) as exc:
-            raise CheckpointError(
+            raise ModelCheckpointError(
                 f"{INDEX_FILE} in {model_dir} has no valid weight_map: {exc}", file=INDEX_FILE
             ) from None
         if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
         ):
-            raise CheckpointError(
+            raise ModelCheckpointError(
                 f"{INDEX_FILE} in {model_dir} has no valid weight_map: it must map tensor names to "
                 "shard file names",
                 file=INDEX_FILE,
@@ -129,19 +130,19 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
             path = _shard_path(model_dir, key, name)
             if name not in held:
                 if not path.is_file():
-                    raise CheckpointError(
+                    raise ModelCheckpointError(
                         f"shard {name} listed in {INDEX_FILE} for tensor {key!r} is missing", key, name
                     )
                 held[name] = set(_shard_keys(path))
             if key not in held[name]:
-                raise CheckpointError(
+                raise ModelCheckpointError(
                     f"{INDEX_FILE} lists tensor {key!r} in shard {name}, which does not contain it", key, name
                 )
             files[key] = path
         return files
     single = model_dir / SINGLE_FILE
     if not single.is_file():
-        raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
+        raise ModelCheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
     return {key: single for key in _shard_keys(single)}
 
 
@@ -206,13 +207,13 @@ def _plan(model: Qwen35Model, files: dict) -> tuple[dict[str, str], list[str]]:
         if kind == "head" and model.lm_head is None:
             continue  # tied: the head is the embedding (load_model unties a distinct head first)
         if kind == "unknown" or local not in expected:
-            raise CheckpointError(
+            raise ModelCheckpointError(
                 f"unexpected tensor {key!r}{_where(files, key)}{_unexpected_detail(key, local)}",
                 key,
                 _file_name(files, key),
             )
         if local in plan:
-            raise CheckpointError(
+            raise ModelCheckpointError(
                 f"tensor {key!r}{_where(files, key)} duplicates {plan[local]!r}", key, _file_name(files, key)
             )
         plan[local] = key
@@ -226,16 +227,16 @@ def _plan(model: Qwen35Model, files: dict) -> tuple[dict[str, str], list[str]]:
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
         stored = sorted({p.name for p in files.values() if isinstance(p, Path)})
         source = f" ({', '.join(stored[:3])}{', ...' if len(stored) > 3 else ''})" if stored else ""
-        raise CheckpointError(f"checkpoint{source} is missing tensor(s) {shown}{more}", names[0])
+        raise ModelCheckpointError(f"checkpoint{source} is missing tensor(s) {shown}{more}", names[0])
     return plan, mtp
 
 
 def _check(key: str, shape: tuple, kind: str, expected: tuple, file: str | None = None) -> None:
     where = f" in {file}" if file else ""
     if shape != expected:
-        raise CheckpointError(f"tensor {key!r}{where} has shape {shape}, expected {expected}", key, file)
+        raise ModelCheckpointError(f"tensor {key!r}{where} has shape {shape}, expected {expected}", key, file)
     if kind not in FLOAT_DTYPES:
-        raise CheckpointError(f"tensor {key!r}{where} has unsupported dtype {kind}", key, file)
+        raise ModelCheckpointError(f"tensor {key!r}{where} has unsupported dtype {kind}", key, file)
 
 
 def _set_buffer(model: torch.nn.Module, local: str, value: torch.Tensor) -> None:

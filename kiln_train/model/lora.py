@@ -73,20 +73,6 @@ class LoraSet:
         except KeyError:
             raise KeyError(f"no LoRA tensor named {name!r}") from None
 
-    def layer_of(self, name: str) -> int:
-        return self.entry(name).layer
-
-    def names_in_layers(self, start: int, stop: int) -> list[str]:
-        """Keys whose layer lies in [start, stop) (one gradient-checkpoint segment)."""
-        return [e.name for e in self._entries if start <= e.layer < stop]
-
-    def num_parameters(self) -> int:
-        return sum(e.parameter.numel() for e in self._entries)
-
-    def init_record(self) -> dict:
-        """The `rng_states["lora-init"]` record of an exact checkpoint."""
-        return {"algorithm": LORA_INIT_ALGORITHM, "seed": self.seed, "position": 0}
-
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -154,3 +140,10 @@ def attach_lora(model, rank: int, alpha: float, seed: int, dtype: torch.dtype | 
     lora = LoraSet(rank, alpha, int(seed), entries, modules)
     model.lora = lora
     return lora
+
+
+def release_lora(model) -> None:
+    """Detach whatever LoRA set is attached, leaving the resident base model as loaded."""
+    lora = getattr(model, "lora", None)
+    if lora is not None:
+        lora.remove(model)

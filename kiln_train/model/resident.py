@@ -15,6 +15,7 @@ from kiln_train.artifacts.provenance import (
     execution_provenance,
     model_identity,
 )
+from kiln_train.data.tokenizer import TOKENIZER_FILE
 from kiln_train.model.config import Qwen35Config
 from kiln_train.plan.backend import Backend, backend_for_device
 
@@ -67,14 +68,14 @@ def compiled_features(backend: Backend) -> list[str]:
 
 def _check_tokenizer_fits_vocabulary(tokenizer, vocab_size: int, model_dir: Path) -> None:
     """Every id the tokenizer can emit must have an embedding row, or a row fails mid-training."""
-    from kiln_train.model.loader import CheckpointError
+    from kiln_train.model.loader import ModelCheckpointError
 
     highest = max(tokenizer.get_vocab(with_added_tokens=True).values())
     if highest >= vocab_size:
-        raise CheckpointError(
+        raise ModelCheckpointError(
             f"the tokenizer emits ids up to {highest} but the model's vocab_size is {vocab_size}: "
             "tokenizer.json does not belong to this checkpoint",
-            file=str(model_dir / "tokenizer.json"),
+            file=str(model_dir / TOKENIZER_FILE),
         )
 
 

@@ -31,8 +31,9 @@ from pathlib import Path
 
 import torch
 
-from kiln_train.data.chat_template import TEMPLATE_DIR
-from kiln_train.model.config import FULL_ATTENTION, LINEAR_ATTENTION, Qwen35Config, parse_config
+from kiln_train.data.chat_template import CHAT_TEMPLATE_FILE, TEMPLATE_DIR
+from kiln_train.model.config import CONFIG_FILE, FULL_ATTENTION, LINEAR_ATTENTION, Qwen35Config, parse_config
+from kiln_train.model.loader import SINGLE_FILE
 
 TEMPLATE_FILES = {
     "think": TEMPLATE_DIR / "qwen3_5_chat_template.jinja",  # 4B and larger
@@ -280,9 +281,9 @@ def write_tiny_checkpoint(
     if rotary_dim % 2 or rotary_dim < 2:
         raise ValueError(f"head_dim {text['head_dim']} x partial_rotary_factor must give an even rotary dim")
     cfg = parse_config(config)
-    _write_json(out / "config.json", config)
+    _write_json(out / CONFIG_FILE, config)
     _write_json(out / "generation_config.json", generation_config())
-    weights = out / "model.safetensors"
+    weights = out / SINGLE_FILE
     storage = STORAGE_DTYPES.get(text["dtype"])
     if storage is None:
         raise ValueError(f"dtype {text['dtype']!r} is not one of {sorted(STORAGE_DTYPES)}")
@@ -290,7 +291,7 @@ def write_tiny_checkpoint(
     weights.chmod(_readable_mode(0o644))  # safetensors creates it owner-only; share it like the rest
     if with_tokenizer:
         write_tokenizer(out, tokenizer)
-        shutil.copyfile(TEMPLATE_FILES[chat_template], out / "chat_template.jinja")
+        shutil.copyfile(TEMPLATE_FILES[chat_template], out / CHAT_TEMPLATE_FILE)
     return out
 
 

@@ -1,7 +1,10 @@
 """Kiln's own optimizers (SGD, AdamW, Muon) behind one all-or-nothing interface.
 
-`build_optimizer(config, params, lr)` turns a validated request optimizer object
-(`kiln_train.sft_config`) into an `Optimizer`; see `base.py` for the step and state contract.
+`build_optimizer(kind, params, lr, **settings)` builds the optimizer of one kind over named
+trainable leaves; `settings` are that optimizer's keyword arguments (AdamW: beta1, beta2, eps,
+weight_decay; Muon: momentum, nesterov, ns_iters, weight_decay; SGD: none). The package knows
+nothing of the training request: the trainer turns a request's optimizer object into these
+arguments. See `base.py` for the step and state contract and `state.py` for the state layout.
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ from kiln_train.optim.adamw import AdamW
 from kiln_train.optim.base import GradientSetError, Optimizer, OptimizerStateError
 from kiln_train.optim.muon import Muon
 from kiln_train.optim.sgd import Sgd
-from kiln_train.sft_config import AdamWConfig, MuonConfig, SgdConfig
 
 __all__ = [
+    "OPTIMIZERS",
     "AdamW",
     "GradientSetError",
     "Muon",
@@ -26,31 +29,14 @@ __all__ = [
     "build_optimizer",
 ]
 
+OPTIMIZERS: dict[str, type[Optimizer]] = {"sgd": Sgd, "adam_w": AdamW, "muon": Muon}
+
 
 def build_optimizer(
-    config: SgdConfig | AdamWConfig | MuonConfig,
-    params: Sequence[tuple[str, torch.nn.Parameter]],
-    lr: float,
+    kind: str, params: Sequence[tuple[str, torch.nn.Parameter]], lr: float, **settings: float | int | bool
 ) -> Optimizer:
-    """The optimizer a request's `config.optimizer` names, over `params` in the given order."""
-    if isinstance(config, SgdConfig):
-        return Sgd(params, lr)
-    if isinstance(config, AdamWConfig):
-        return AdamW(
-            params,
-            lr,
-            beta1=config.beta1,
-            beta2=config.beta2,
-            eps=config.eps,
-            weight_decay=config.weight_decay,
-        )
-    if isinstance(config, MuonConfig):
-        return Muon(
-            params,
-            lr,
-            momentum=config.momentum,
-            nesterov=config.nesterov,
-            ns_iters=config.ns_iters,
-            weight_decay=config.weight_decay,
-        )
-    raise TypeError(f"unknown optimizer config {type(config).__name__}")
+    """The `kind` optimizer (`sgd`, `adam_w` or `muon`) over `params` in the given order."""
+    optimizer = OPTIMIZERS.get(kind)
+    if optimizer is None:
+        raise ValueError(f"unknown optimizer kind {kind!r}")
+    return optimizer(params, lr, **settings)

@@ -24,7 +24,6 @@ from torch import Tensor
 
 from kiln_train.optim.base import Optimizer, upcast, write_back
 from kiln_train.optim.state import ADAMW_FIELDS
-from kiln_train.sft_config import f32_round
 
 F32_SMALLEST_SUBNORMAL = 2.0**-149
 
@@ -50,8 +49,9 @@ class AdamW(Optimizer):
         # The f32 lane adds eps as an f32 scalar: an eps below f32's smallest subnormal (the
         # contract admits any finite eps > 0) would round to 0 and turn a zero gradient's
         # 0 / (0 + 0) into NaN. It is floored at the smallest positive f32 instead; any eps f32
-        # can represent is used exactly as given.
-        self._lane_eps = self.eps if f32_round(self.eps) > 0.0 else F32_SMALLEST_SUBNORMAL
+        # can represent is used exactly as given. Rounding to nearest even sends an eps to 0
+        # exactly when it is at most half the smallest subnormal.
+        self._lane_eps = self.eps if self.eps > F32_SMALLEST_SUBNORMAL / 2 else F32_SMALLEST_SUBNORMAL
         self.weight_decay = float(weight_decay)
 
     def _update(self, name: str, param: Tensor, grad: Tensor) -> None:

@@ -12,20 +12,13 @@ dtype and device; the F32 file is a portable encoding, not a master copy.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from safetensors.torch import load as _load_bytes
-from safetensors.torch import load_file as _load_file
 from safetensors.torch import save as _save_bytes
-from safetensors.torch import save_file as _save_file
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from kiln_train.optim.base import Optimizer
-
-OPTIMIZER_STATE_FILE = "optimizer.safetensors"
 STEP = "step"
 # Contract key segment per optimizer kind (the kind enum is `adam_w`, the key segment `adamw`).
 KEY_SEGMENT = {"adam_w": "adamw", "muon": "muon", "sgd": "sgd"}
@@ -41,24 +34,3 @@ def state_key(param_name: str, kind: str, field: str) -> str:
 def encode_state(tensors: dict[str, Tensor]) -> bytes:
     """The safetensors bytes of a `state_tensors()` dict."""
     return _save_bytes(tensors)
-
-
-def decode_state(data: bytes) -> dict[str, Tensor]:
-    return _load_bytes(data)
-
-
-def has_state_file(optimizer: Optimizer) -> bool:
-    """SGD is stateless: its checkpoint carries no optimizer file."""
-    return bool(optimizer.state_fields)
-
-
-def save_state_file(optimizer: Optimizer, path: str | Path) -> None:
-    """Write `optimizer.safetensors` for a stateful optimizer."""
-    if not has_state_file(optimizer):
-        raise ValueError(f"the {optimizer.kind} optimizer is stateless and has no state file")
-    _save_file(optimizer.state_tensors(), str(path))
-
-
-def load_state_file(optimizer: Optimizer, path: str | Path, *, global_step: int) -> None:
-    """Restore `optimizer.safetensors` into `optimizer` (exact keys, shapes, finite, steps)."""
-    optimizer.load_state_tensors(_load_file(str(path), device="cpu"), global_step=global_step)

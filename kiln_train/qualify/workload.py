@@ -19,13 +19,14 @@ stage failed) or `incomplete` (nothing failed but a required stage did not run).
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
 import json
 import math
 import platform
 import subprocess
 import sys
 from pathlib import Path
+
+from kiln_train.artifacts.digest import file_sha256_hex
 
 RECEIPT_SCHEMA = "kiln.qualification-receipt.v1"
 WORKLOAD_SCHEMA = "kiln.qualification-workload.v1"
@@ -54,10 +55,6 @@ def load_workload(workload_id: str, root: Path | None = None) -> dict:
     return workload
 
 
-def sha256_file(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 # ----- stage 1: the fixture contract ---------------------------------------------------------
 def check_fixture_contract(workload: dict, fixture_path: Path) -> tuple[dict | None, dict]:
     """Validate the fixture against the workload; returns (fixture or None, stage result)."""
@@ -66,7 +63,7 @@ def check_fixture_contract(workload: dict, fixture_path: Path) -> tuple[dict | N
     if not fixture_path.is_file():
         stage["reason"] = f"fixture {fixture_path} is missing"
         return None, stage
-    digest = sha256_file(fixture_path)
+    digest = file_sha256_hex(fixture_path)
     stage["sha256"] = digest
     if digest != workload["fixture"]["sha256"]:
         problems.append(
@@ -325,7 +322,7 @@ def qualify_adamw_oracle(device: str = "cuda", *, root: Path | None = None) -> d
     return {
         "schema": RECEIPT_SCHEMA,
         "workload": ADAMW_ORACLE_WORKLOAD,
-        "workload_sha256": sha256_file(
+        "workload_sha256": file_sha256_hex(
             root / "qualification" / "workloads" / f"{ADAMW_ORACLE_WORKLOAD}.json"
         ),
         "fixture": {"path": workload["fixture"]["path"], "sha256": contract.get("sha256")},

@@ -11,6 +11,7 @@ import math
 
 import pytest
 
+from api.errors import http_status
 from kiln_train.errors import KilnError
 from kiln_train.sft_config import (
     SFT_DEFAULT_LEARNING_RATE,
@@ -32,7 +33,7 @@ def rejects(obj: dict, *fragments: str) -> KilnError:
         parse_sft_config(obj)
     err = info.value
     assert err.code == "training_invalid_request"
-    assert err.status == 400
+    assert http_status(err) == 400
     assert err.message.startswith("Invalid training request: ")
     for fragment in fragments:
         assert fragment in err.message, (fragment, err.message)

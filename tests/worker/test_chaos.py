@@ -25,7 +25,7 @@ import redis
 from sqlalchemy import create_engine, select
 
 from kiln.store.models import Adapter, Checkpoint
-from kiln_train.train.support import FAILED_RECEIPTS_DIR
+from kiln_train.artifacts.adapter_layout import FAILED_RECEIPTS_DIR
 from tests.api.conftest import sft_body, unique_name
 from tests.kiln.store.test_store_support import fresh_postgres_database
 from tests.services import redis_url

@@ -17,7 +17,8 @@ from kiln.store import (
     session_factory,
     states,
 )
-from kiln_train.errors import TRAINING_JOB_NOT_FOUND, KilnError
+from kiln.store.errors import TRAINING_JOB_NOT_FOUND
+from kiln_train.errors import KilnError
 from tests.kiln.store.test_store_support import BACKENDS, admit, migrated_database
 
 

@@ -10,6 +10,7 @@ from datetime import UTC, datetime, timedelta, timezone
 import pytest
 from sqlalchemy import event, exc, select
 
+from api.errors import http_status
 from kiln.store import (
     CANCELLED,
     CANCELLING,
@@ -35,12 +36,12 @@ from kiln.store import (
     request_cancel,
     states,
 )
-from kiln_train.errors import (
+from kiln.store.errors import (
     TRAINING_JOB_ALREADY_STARTED,
     TRAINING_JOB_NOT_CANCELLABLE,
     TRAINING_JOB_NOT_FOUND,
-    KilnError,
 )
+from kiln_train.errors import KilnError
 from tests.kiln.store.test_store_support import (
     admission_fields,
     admit,
@@ -403,7 +404,7 @@ def test_cancel_terminal_job_is_not_cancellable(factory, final_state):
         claim_and_finish(session, job.id, final_state, failure_reason=reason)
     with factory.begin() as session, pytest.raises(KilnError) as caught:
         request_cancel(session, job.id)
-    assert caught.value.code == TRAINING_JOB_NOT_CANCELLABLE and caught.value.status == 409
+    assert caught.value.code == TRAINING_JOB_NOT_CANCELLABLE and http_status(caught.value) == 409
     with factory() as session:
         assert get_job(session, job.id).failure_reason == reason
 
@@ -411,7 +412,7 @@ def test_cancel_terminal_job_is_not_cancellable(factory, final_state):
 def test_cancel_unknown_or_deleted_job_is_not_found(factory):
     with factory.begin() as session, pytest.raises(KilnError) as caught:
         request_cancel(session, "no-such-job")
-    assert caught.value.code == TRAINING_JOB_NOT_FOUND and caught.value.status == 404
+    assert caught.value.code == TRAINING_JOB_NOT_FOUND and http_status(caught.value) == 404
     with factory.begin() as session:
         job = admit(session)
         request_cancel(session, job.id)
@@ -457,7 +458,7 @@ def test_cancel_racing_a_claim_answers_already_started(engine, factory):
     finally:
         remove()
     assert fired == [True]
-    assert caught.value.code == TRAINING_JOB_ALREADY_STARTED and caught.value.status == 409
+    assert caught.value.code == TRAINING_JOB_ALREADY_STARTED and http_status(caught.value) == 409
     with factory() as session:
         stored = get_job(session, job.id)
         assert stored.state == states.RUNNING and stored.worker_id == "w-race"

@@ -42,7 +42,8 @@ from kiln.store import (
     unpublished_jobs,
     utcnow,
 )
-from kiln_train.errors import ADAPTER_ALREADY_EXISTS, ADAPTER_NOT_FOUND, KilnError
+from kiln.store.errors import ADAPTER_NOT_FOUND
+from kiln_train.errors import ADAPTER_ALREADY_EXISTS, KilnError
 from tests.kiln.store.test_store_support import admit, run_steps
 
 

@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from kiln_train.artifacts.provenance import file_digest
-from kiln_train.artifacts.receipt import validate_receipt
+from kiln_train.artifacts.digest import file_digest
 from kiln_train.model import attach_lora, load_model
 from kiln_train.model.config import LORA_TARGET_MODULES
-from kiln_train.train import trainer as trainer_mod
+from kiln_train.train import optimizer as optimizer_mod
+from tests.kiln_train.artifacts.receipt_checks import validate_receipt
 from tests.kiln_train.train import trainer_fixtures as fx
 from tests.kiln_train.train.trainer_fixtures import (
     conversations,
@@ -84,10 +84,10 @@ def test_our_adapter_loads_in_peft_with_the_same_logits(tiny_dir, registry):
 def _first_step_params(monkeypatch) -> dict:
     """Records the leaves, optimizer counters and state as the first optimizer step starts."""
     seen: dict = {}
-    real_build = trainer_mod.build_optimizer
+    real_build = optimizer_mod.build_optimizer
 
-    def build(cfg, params, lr):
-        opt = real_build(cfg, params, lr)
+    def build(*args, **settings):
+        opt = real_build(*args, **settings)
         real_step = opt.step
 
         def step(grads):
@@ -103,7 +103,7 @@ def _first_step_params(monkeypatch) -> dict:
         opt.step = step
         return opt
 
-    monkeypatch.setattr(trainer_mod, "build_optimizer", build)
+    monkeypatch.setattr(optimizer_mod, "build_optimizer", build)
     return seen
 
 

@@ -14,10 +14,10 @@ import pytest
 from safetensors import safe_open
 
 from kiln_train.artifacts.adapter import adapter_config
-from kiln_train.artifacts.provenance import file_digest
-from kiln_train.artifacts.receipt import validate_receipt
+from kiln_train.artifacts.digest import file_digest
 from kiln_train.model.config import LORA_TARGET_MODULES
 from kiln_train.train.canary import canary_status
+from tests.kiln_train.artifacts.receipt_checks import validate_receipt
 from tests.kiln_train.train import trainer_fixtures as fx
 from tests.kiln_train.train.trainer_fixtures import conversations, ingest, make_config, read_json, train
 

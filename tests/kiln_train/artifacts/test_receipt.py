@@ -6,9 +6,10 @@ import copy
 
 import pytest
 
-from kiln_train.artifacts.receipt import build_receipt, validate_receipt
+from kiln_train.artifacts.receipt import build_receipt
 from kiln_train.errors import FAILURE_REASONS
-from kiln_train.train.support import run_facts
+from kiln_train.train.identity import run_facts
+from tests.kiln_train.artifacts.receipt_checks import validate_receipt
 from tests.kiln_train.train import trainer_fixtures as fx
 from tests.kiln_train.train.trainer_fixtures import conversations, ingest, make_config
 

@@ -19,7 +19,6 @@ from kiln_train.checkpoint import (
     PEFT_MESSAGE,
     CheckpointError,
     discover_checkpoints,
-    latest_valid_checkpoint,
     load_checkpoint,
     read_checkpoint_manifest,
 )
@@ -301,7 +300,7 @@ def test_discovery_validates_manifests_only_and_sorts_by_step(tmp_path):
         == hashlib.sha256((found[1].path / MANIFEST_FILENAME).read_bytes()).hexdigest()
     )
     assert "'.incomplete' sentinel" in found[2].error and found[2].manifest is None
-    assert latest_valid_checkpoint(registry, "support-bot").global_step == 7
+    assert [c for c in found if c.valid][-1].global_step == 7  # the newest valid one
     assert [c.global_step for c in discover_checkpoints(registry, "support-bot-2")] == [5]
     assert discover_checkpoints(registry, "nobody") == []
     assert discover_checkpoints(tmp_path / "missing", "support-bot") == []

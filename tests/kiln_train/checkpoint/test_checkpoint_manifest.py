@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from api.errors import http_status
 from kiln_train.checkpoint import (
     CheckpointError,
     checkpoint_dir_name,
@@ -353,7 +354,7 @@ def test_invalid_manifests_are_rejected_naming_the_field(case):
     with pytest.raises(CheckpointError) as info:
         _check(value)
     assert message in info.value.message
-    assert info.value.code == "training_invalid_request" and info.value.status == 400
+    assert info.value.code == "training_invalid_request" and http_status(info.value) == 400
 
 
 def test_sgd_with_an_optimizer_state_is_rejected():

@@ -9,8 +9,8 @@ import pytest
 
 from kiln_train.checkpoint import CheckpointError, load_checkpoint, publish_checkpoint
 from kiln_train.checkpoint.rules import checkpoint_plan_problem
-from kiln_train.train.support import recorded_plan
-from kiln_train.train.trainer import recorded_aux, recorded_checkpoint_plan
+from kiln_train.train.resume import recorded_aux, recorded_checkpoint_plan
+from kiln_train.train.segment_plan import recorded_plan
 
 from .test_checkpoint_support import artifacts, draft
 

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from safetensors.torch import save
 
-from kiln_train.artifacts.provenance import json_sha256, shard_aggregate
+from kiln_train.artifacts.digest import json_sha256
+from kiln_train.artifacts.provenance import shard_aggregate
 from kiln_train.checkpoint import (
     ADAPTER_FILE,
     LOOP_STATE_FILE,

@@ -10,7 +10,7 @@ import pytest
 
 from kiln_train.data.conversation import parse_example
 from kiln_train.data.ingestion import iter_jsonl_outcomes
-from kiln_train.data.row_identity import canonical_json, parsed_row_sha256, raw_row_sha256, serde_f64
+from kiln_train.data.row_identity import parsed_row_sha256, raw_row_sha256, serde_canonical_json, serde_f64
 
 # (Python float, what serde_json / ryu::Buffer::format_finite prints)
 RYU = [
@@ -67,7 +67,7 @@ def test_tool_schemas_with_floats_hash_serde_json_s_encoding():
         '"maximum":1e16,"minimum":0.00001,"multipleOf":0.5,"type":"number"}},"type":"object"}},'
         '"type":"function"}]}'
     )
-    assert canonical_json(parsed) == expected
+    assert serde_canonical_json(parsed) == expected
     assert parsed_row_sha256(parsed) == _digest(expected)
 
 
@@ -80,7 +80,7 @@ def test_rows_without_f64_numbers_keep_the_plain_encoding():
     }
     parsed = parse_example(row)
     plain = json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    assert canonical_json(parsed) == plain
+    assert serde_canonical_json(parsed) == plain
     assert '"é \\"q\\"\\n\\u0001"' in plain
 
 
@@ -92,7 +92,7 @@ def test_serde_path_escapes_strings_and_sorts_keys_like_the_plain_path():
         separators=(",", ":"),
         ensure_ascii=False,
     )
-    assert canonical_json(value) == plain  # 1.5 prints the same either way
+    assert serde_canonical_json(value) == plain  # 1.5 prints the same either way
 
 
 def test_an_integer_too_large_for_f64_is_invalid_json(qwen_tokenizer, tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln_train.model import LORA_INIT_ALGORITHM, attach_lora, load_model
+from kiln_train.model import attach_lora, load_model
 from kiln_train.model.config import LORA_TARGET_MODULES
 from kiln_train.model.tiny import write_tiny_checkpoint
 
@@ -68,10 +68,10 @@ def test_names_order_and_shapes(ckpt):
         assert a.abs().max().item() > 0.5 * math.sqrt(1 / proj.in_features)
     assert {n.split(".")[-3] for n in names} == set(LORA_TARGET_MODULES)
     assert lora.scale == 2.0 and lora.rank == 4 and lora.alpha == 8.0
-    assert lora.layer_of(names[0]) == 0 and lora.layer_of(layer3[0]) == 3
-    assert lora.names_in_layers(3, 4) == layer3
-    assert lora.num_parameters() == cfg.lora_elements_per_rank() * 4
-    assert lora.init_record() == {"algorithm": LORA_INIT_ALGORITHM, "seed": 1, "position": 0}
+    assert lora.entry(names[0]).layer == 0 and lora.entry(layer3[0]).layer == 3
+    assert [n for n in names if lora.entry(n).layer == 3] == layer3
+    assert sum(p.numel() for p in lora.parameters()) == cfg.lora_elements_per_rank() * 4
+    assert lora.seed == 1
 
 
 def test_init_is_the_documented_algorithm(ckpt):
@@ -230,7 +230,7 @@ def test_attach_validation_and_remove(ckpt):
     with pytest.raises(ValueError, match="already attached"):
         attach_lora(model, rank=2, alpha=2.0, seed=0)
     with pytest.raises(KeyError, match="no LoRA tensor"):
-        lora.layer_of("base_model.model.model.layers.0.mlp.nope.lora_A.weight")
+        lora.entry("base_model.model.model.layers.0.mlp.nope.lora_A.weight")
     lora.remove(model)
     assert model.lora is None and list(model.parameters()) == []
     assert len(attach_lora(model, rank=3, alpha=3.0, seed=0)) == len(lora)

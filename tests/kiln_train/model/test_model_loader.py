@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from kiln_train.errors import TRAINING_BACKEND_UNSUPPORTED, KilnError
-from kiln_train.model import CheckpointError, load_model
+from kiln_train.model import ModelCheckpointError, load_model
 from kiln_train.model.tiny import write_tiny_checkpoint
 
 OVERRIDES = {"vocab_size": 160, "bos_token_id": None, "eos_token_id": None}
@@ -83,7 +83,7 @@ def test_sharded_checkpoint_with_index(ckpt, tmp_path, reference_logits):
     (dest / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     _same_logits(dest, reference_logits)
     (dest / "model-00002-of-00003.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="model-00002-of-00003.safetensors"):
+    with pytest.raises(ModelCheckpointError, match="model-00002-of-00003.safetensors"):
         load_model(dest)
 
 
@@ -107,7 +107,7 @@ def test_untied_head_is_loaded_and_required(ckpt, tmp_path):
     model = load_model(_copy_with(ckpt, tmp_path / "untied", {**tensors, "lm_head.weight": head}, config))
     assert torch.equal(model.lm_head_weight, head.float())
     assert model.lm_head_weight is not model.embed_tokens.weight
-    with pytest.raises(CheckpointError, match="lm_head.weight") as err:
+    with pytest.raises(ModelCheckpointError, match="lm_head.weight") as err:
         load_model(_copy_with(ckpt, tmp_path / "headless", tensors, config))
     assert err.value.tensor == "lm_head.weight"
 
@@ -139,7 +139,7 @@ def test_untied_head_is_loaded_and_required(ckpt, tmp_path):
 def test_bad_checkpoints_raise_a_named_error(ckpt, tmp_path, mutate, needle):
     tensors = load_file(str(ckpt / "model.safetensors"))
     mutate(tensors)
-    with pytest.raises(CheckpointError, match=needle) as err:
+    with pytest.raises(ModelCheckpointError, match=needle) as err:
         load_model(_copy_with(ckpt, tmp_path / "bad", tensors))
     assert isinstance(err.value, KilnError) and err.value.code == TRAINING_BACKEND_UNSUPPORTED
     assert err.value.tensor is not None
@@ -149,10 +149,10 @@ def test_missing_files_raise(tmp_path, ckpt):
     with pytest.raises(KilnError, match="config.json"):
         load_model(tmp_path)
     shutil.copy(ckpt / "config.json", tmp_path / "config.json")
-    with pytest.raises(CheckpointError, match="model.safetensors"):
+    with pytest.raises(ModelCheckpointError, match="model.safetensors"):
         load_model(tmp_path)
     (tmp_path / "model.safetensors.index.json").write_text("{}")
-    with pytest.raises(CheckpointError, match="weight_map"):
+    with pytest.raises(ModelCheckpointError, match="weight_map"):
         load_model(tmp_path)
 
 
@@ -176,7 +176,7 @@ def test_in_memory_tensors_load_like_the_file(ckpt, reference_logits):
         assert torch.equal(model.logits(ids), ref)
     assert model.mtp_tensor_names == sorted(k for k in tensors if k.startswith("mtp."))
     tensors.pop("model.language_model.norm.weight")
-    with pytest.raises(CheckpointError, match="norm.weight"):
+    with pytest.raises(ModelCheckpointError, match="norm.weight"):
         load_tensors_into(model, tensors)
 
 

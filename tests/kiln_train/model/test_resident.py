@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln_train.model.loader import CheckpointError
+from kiln_train.model.loader import ModelCheckpointError
 from kiln_train.model.resident import load_resident
 from kiln_train.model.tiny import write_tiny_checkpoint
 
@@ -16,7 +16,7 @@ def test_a_tokenizer_with_ids_beyond_the_embedding_is_refused_at_load(tmp_path):
         seed=3,
         overrides={"vocab_size": 512, "bos_token_id": None, "eos_token_id": None},
     )
-    with pytest.raises(CheckpointError) as err:
+    with pytest.raises(ModelCheckpointError) as err:
         load_resident(path)
     assert "vocab_size is 512" in str(err.value)
     assert "248076" in str(err.value)

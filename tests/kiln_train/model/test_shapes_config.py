@@ -4,7 +4,7 @@
   checked against transformers' logits on directories whose config omits them.
 - MoE configs, other model types and RoPE scaling are refused (`training_backend_unsupported`)
   instead of being loaded as something else; malformed fields name the field.
-- Bad checkpoints raise `CheckpointError` naming the tensor, the file and expected vs got shape.
+- Bad checkpoints raise `ModelCheckpointError` naming the tensor, the file and expected vs got shape.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kiln_train.errors import TRAINING_BACKEND_UNSUPPORTED, KilnError
-from kiln_train.model import CheckpointError, load_model
+from kiln_train.model import ModelCheckpointError, load_model
 from kiln_train.model.config import parse_config
 from kiln_train.model.tiny import text_config, wrapper_config, write_tiny_checkpoint
 
@@ -288,8 +288,8 @@ def _copy(source, dest, tensors=None, *, shards=None):
     return dest, weight_map
 
 
-def _load_error(path) -> CheckpointError:
-    with pytest.raises(CheckpointError) as err:
+def _load_error(path) -> ModelCheckpointError:
+    with pytest.raises(ModelCheckpointError) as err:
         load_model(path)
     assert err.value.code == TRAINING_BACKEND_UNSUPPORTED
     return err.value

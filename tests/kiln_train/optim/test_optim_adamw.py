@@ -24,7 +24,6 @@ from kiln_train.optim.oracle import (
     replay_case,
     ulp_distance,
 )
-from kiln_train.sft_config import AdamWConfig
 
 FIXTURE = Path(__file__).resolve().parents[3] / "qualification" / "fixtures" / "adamw_pytorch_oracle_v1.json"
 BOUNDS = {"parameter": 1, "exp_avg": 4, "exp_avg_sq": 3}
@@ -137,9 +136,8 @@ def test_f32_is_bitwise_identical_to_torch_adamw():
 def test_bf16_step_is_the_f32_step_rounded_once():
     gen = torch.Generator().manual_seed(5)
     p0 = torch.randn(4, 9, generator=gen).to(torch.bfloat16)
-    cfg = AdamWConfig(kind="adam_w", weight_decay=0.05)
-    low = build_optimizer(cfg, [("w", torch.nn.Parameter(p0.clone()))], 1e-2)
-    high = build_optimizer(cfg, [("w", torch.nn.Parameter(p0.float()))], 1e-2)
+    low = build_optimizer("adam_w", [("w", torch.nn.Parameter(p0.clone()))], 1e-2, weight_decay=0.05)
+    high = build_optimizer("adam_w", [("w", torch.nn.Parameter(p0.float()))], 1e-2, weight_decay=0.05)
     for step in range(4):
         g = (torch.randn(4, 9, generator=gen) * 0.1).to(torch.bfloat16)
         if step:  # start each step from identical (bf16-representable) state
@@ -159,9 +157,7 @@ def test_bf16_step_is_the_f32_step_rounded_once():
 def test_first_step_is_sign_like_and_decay_is_decoupled():
     p0 = torch.tensor([[1.0, -2.0], [0.5, 4.0]])
     g = torch.tensor([[0.3, -0.001], [2.0, 0.0]])
-    opt = build_optimizer(
-        AdamWConfig(kind="adam_w", weight_decay=0.5), [("w", torch.nn.Parameter(p0.clone()))], 1e-2
-    )
+    opt = build_optimizer("adam_w", [("w", torch.nn.Parameter(p0.clone()))], 1e-2, weight_decay=0.5)
     opt.step({"w": g})
     decayed = p0 * (1 - 1e-2 * 0.5)
     # bias-corrected m_hat / sqrt(v_hat) = sign(g) for |g| >> eps; zero gradient -> decay only

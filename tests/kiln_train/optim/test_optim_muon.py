@@ -10,7 +10,6 @@ import torch
 from kiln_train.errors import KilnError
 from kiln_train.optim import Muon, build_optimizer
 from kiln_train.optim.muon import newton_schulz, update_scale
-from kiln_train.sft_config import MuonConfig
 
 QUINTIC = (3.4445, -4.7750, 2.0315)
 
@@ -36,8 +35,8 @@ def reference_step(p, g, buf, *, lr, momentum, nesterov, iters, wd):
 def test_matches_float64_reference(shape, nesterov):
     gen = torch.Generator().manual_seed(7)
     p0 = torch.randn(shape, generator=gen, dtype=torch.float64) * 0.1
-    cfg = MuonConfig(kind="muon", momentum=0.9, nesterov=nesterov, ns_iters=5, weight_decay=0.1)
-    opt = build_optimizer(cfg, [("w", torch.nn.Parameter(p0.float()))], 2e-2)
+    cfg = {"momentum": 0.9, "nesterov": nesterov, "ns_iters": 5, "weight_decay": 0.1}
+    opt = build_optimizer("muon", [("w", torch.nn.Parameter(p0.float()))], 2e-2, **cfg)
     ref_p, ref_buf = p0.clone(), torch.zeros(shape, dtype=torch.float64)
     for _ in range(3):  # the 2nd and 3rd steps exercise a non-zero momentum buffer
         g = torch.randn(shape, generator=gen, dtype=torch.float64) * 0.05
@@ -99,7 +98,7 @@ def test_rank_two_works_and_rank_one_is_rejected():
         ("a", torch.nn.Parameter(torch.randn(2, 32) * 0.1)),
         ("b", torch.nn.Parameter(torch.zeros(32, 2))),
     ]
-    opt = build_optimizer(MuonConfig(kind="muon"), params, 1e-3)
+    opt = build_optimizer("muon", params, 1e-3)
     assert isinstance(opt, Muon)
     before = params[0][1].detach().clone()
     opt.step({"a": torch.randn(2, 32) * 0.01, "b": torch.randn(32, 2) * 0.01})
@@ -108,21 +107,17 @@ def test_rank_two_works_and_rank_one_is_rejected():
 
     for shape in [(1, 32), (32, 1)]:
         with pytest.raises(KilnError) as info:
-            build_optimizer(
-                MuonConfig(kind="muon"), [("x.lora_A.weight", torch.nn.Parameter(torch.zeros(shape)))], 1e-3
-            )
+            build_optimizer("muon", [("x.lora_A.weight", torch.nn.Parameter(torch.zeros(shape)))], 1e-3)
         assert info.value.code == "training_invalid_request"
         assert "lora_rank must be at least 2 for the muon optimizer" in info.value.message
         assert "'x.lora_A.weight'" in info.value.message
     with pytest.raises(KilnError, match="2-D"):
-        build_optimizer(MuonConfig(kind="muon"), [("v", torch.nn.Parameter(torch.zeros(8)))], 1e-3)
+        build_optimizer("muon", [("v", torch.nn.Parameter(torch.zeros(8)))], 1e-3)
 
 
 def test_zero_gradient_only_decays():
     p0 = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
-    opt = build_optimizer(
-        MuonConfig(kind="muon", weight_decay=0.5), [("w", torch.nn.Parameter(p0.clone()))], 1e-2
-    )
+    opt = build_optimizer("muon", [("w", torch.nn.Parameter(p0.clone()))], 1e-2, weight_decay=0.5)
     opt.step({"w": torch.zeros(4, 8)})
     assert torch.equal(opt.params["w"].detach(), p0 * (1 - 1e-2 * 0.5))
     assert torch.equal(opt.state["w"]["momentum"], torch.zeros(4, 8))
@@ -131,9 +126,8 @@ def test_zero_gradient_only_decays():
 def test_bf16_keeps_resident_state_in_bf16_and_rounds_once():
     gen = torch.Generator().manual_seed(9)
     p0 = (torch.randn(4, 16, generator=gen) * 0.1).to(torch.bfloat16)
-    cfg = MuonConfig(kind="muon", weight_decay=0.1)
-    low = build_optimizer(cfg, [("w", torch.nn.Parameter(p0.clone()))], 1e-2)
-    high = build_optimizer(cfg, [("w", torch.nn.Parameter(p0.float()))], 1e-2)
+    low = build_optimizer("muon", [("w", torch.nn.Parameter(p0.clone()))], 1e-2, weight_decay=0.1)
+    high = build_optimizer("muon", [("w", torch.nn.Parameter(p0.float()))], 1e-2, weight_decay=0.1)
     g = (torch.randn(4, 16, generator=gen) * 0.1).to(torch.bfloat16)
     low.step({"w": g})
     high.step({"w": g.float()})

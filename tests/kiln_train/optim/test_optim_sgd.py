@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from kiln_train.optim import Sgd, build_optimizer
-from kiln_train.sft_config import SgdConfig
 
 
 def _params(dtype):
@@ -22,7 +21,7 @@ def _grads(dtype, seed):
 
 
 def test_build_returns_sgd_with_the_given_rate():
-    opt = build_optimizer(SgdConfig(kind="sgd"), _params(torch.float32), 0.25)
+    opt = build_optimizer("sgd", _params(torch.float32), 0.25)
     assert isinstance(opt, Sgd)
     assert opt.kind == "sgd" and opt.lr == 0.25
     assert opt.hyperparameters() == {"kind": "sgd"}
@@ -31,7 +30,7 @@ def test_build_returns_sgd_with_the_given_rate():
 def test_f32_update_is_p_minus_lr_g():
     params = _params(torch.float32)
     before = {n: p.detach().clone() for n, p in params}
-    opt = build_optimizer(SgdConfig(kind="sgd"), params, 0.125)  # a power of two: lr*g is exact
+    opt = build_optimizer("sgd", params, 0.125)  # a power of two: lr*g is exact
     grads = _grads(torch.float32, 1)
     opt.step(grads)
     for n, p in params:
@@ -42,7 +41,7 @@ def test_f32_update_is_p_minus_lr_g():
 def test_two_steps_accumulate_against_an_f64_reference():
     params = _params(torch.float32)
     ref = {n: p.detach().double().clone() for n, p in params}
-    opt = build_optimizer(SgdConfig(kind="sgd"), params, 3e-2)
+    opt = build_optimizer("sgd", params, 3e-2)
     for seed in (1, 2):
         grads = _grads(torch.float32, seed)
         opt.step(grads)
@@ -55,7 +54,7 @@ def test_two_steps_accumulate_against_an_f64_reference():
 def test_bf16_update_rounds_once_from_f32():
     params = _params(torch.bfloat16)
     before = {n: p.detach().clone() for n, p in params}
-    opt = build_optimizer(SgdConfig(kind="sgd"), params, 3e-3)
+    opt = build_optimizer("sgd", params, 3e-3)
     grads = _grads(torch.bfloat16, 4)
     opt.step(grads)
     for n, p in params:

@@ -8,30 +8,21 @@ import sys
 
 import pytest
 
+from api.errors import http_status
 from kiln_train.errors import KilnError
 from kiln_train.model.config import QWEN35_4B_TEXT_CONFIG, parse_config
 from kiln_train.model.tiny import PRESETS
 from kiln_train.plan.backend import FULL_LOGITS, KT_TAPE_FLCE, backend_for_device
+from kiln_train.plan.budget import available_budget, cpu_available_bytes
 from kiln_train.plan.formulas import (
     attention_layer_bytes,
     gdn_layer_bytes,
     segment_layer_ranges,
     vocab_chunk_size,
 )
-from kiln_train.plan.memory import (
-    GIB,
-    U64_MAX,
-    available_budget,
-    check_row_plan_fits,
-    cpu_available_bytes,
-    dominant_component,
-    estimate,
-    max_rank_that_fits,
-    plan_segments,
-    row_segments,
-    saturate,
-    will_not_fit_message,
-)
+from kiln_train.plan.memory import GIB, U64_MAX, estimate, saturate
+from kiln_train.plan.refusal import dominant_component, will_not_fit_message
+from kiln_train.plan.segments import check_row_plan_fits, max_rank_that_fits, plan_segments, row_segments
 
 # The `small` preset of kiln_train.model.tiny: 8 narrow layers under the full vocabulary.
 SMALL = parse_config({**PRESETS["small"], "dtype": "bfloat16"})
@@ -195,7 +186,7 @@ def test_absurd_sequence_length_saturates_and_never_fits():
     with pytest.raises(KilnError) as err:
         plan(U64_MAX, max_seq_len=10**18, max_supervised_tokens=10**18)
     assert err.value.code == "training_will_not_fit"
-    assert err.value.status == 413
+    assert http_status(err.value) == 413
 
 
 def test_absurd_rank_saturates():
@@ -265,7 +256,7 @@ def test_explicit_multi_segment_with_full_logits_is_invalid():
     with pytest.raises(KilnError) as err:
         plan(10**15, loss_route=FULL_LOGITS, requested_segments=2)
     assert err.value.code == "training_invalid_request"
-    assert err.value.status == 400
+    assert http_status(err.value) == 400
     assert "grad_checkpoint_segments=2" in err.value.message
     assert plan(10**15, loss_route=FULL_LOGITS, requested_segments=1).num_segments == 1
 
@@ -440,7 +431,8 @@ def test_cpu_available_bytes_reads_meminfo_and_cgroup(tmp_path):
 
 def test_memory_modules_do_not_import_torch():
     code = (
-        "import sys, kiln_train.plan.memory, kiln_train.plan.formulas; "
+        "import sys, kiln_train.plan.memory, kiln_train.plan.formulas, kiln_train.plan.segments, "
+        "kiln_train.plan.budget, kiln_train.plan.refusal; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

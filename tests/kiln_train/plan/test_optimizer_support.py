@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from api.errors import http_status
 from kiln_train.errors import KilnError
 from kiln_train.model.config import QWEN35_4B_TEXT_CONFIG, parse_config
 from kiln_train.plan.backend import backend_for_device
@@ -204,7 +205,7 @@ def test_tuple_gate(qwen4b, device, kind, ok, bad):
         with pytest.raises(KilnError) as info:
             check_optimizer_tuple(backend, qwen4b, kind, rank)
         err = info.value
-        assert err.code == "training_invalid_request" and err.status == 400
+        assert err.code == "training_invalid_request" and http_status(err) == 400
         assert err.message.startswith("Invalid training request: lora_rank ")
         assert f"lora_rank {rank} is outside" in err.message
         assert f"for the {kind} optimizer on the {device} backend" in err.message

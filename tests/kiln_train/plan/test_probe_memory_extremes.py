@@ -9,14 +9,8 @@ import pytest
 from kiln_train.errors import TRAINING_WILL_NOT_FIT, KilnError
 from kiln_train.model.config import QWEN35_4B_TEXT_CONFIG, parse_config
 from kiln_train.plan.backend import FULL_LOGITS, KT_TAPE_FLCE, backend_for_device
-from kiln_train.plan.memory import (
-    GIB,
-    U64_MAX,
-    admissible_rank_ceiling,
-    estimate,
-    max_rank_that_fits,
-    plan_segments,
-)
+from kiln_train.plan.memory import GIB, U64_MAX, estimate
+from kiln_train.plan.segments import admissible_rank_ceiling, max_rank_that_fits, plan_segments
 
 CUDA = backend_for_device("cuda")
 CPU = backend_for_device("cpu")

@@ -12,6 +12,7 @@ import torch
 from click.testing import CliRunner
 
 from kiln.cli.main import cli
+from kiln_train.artifacts.digest import file_sha256_hex
 from kiln_train.qualify.workload import (
     NO_CUDA_REASON,
     RECEIPT_SCHEMA,
@@ -19,7 +20,6 @@ from kiln_train.qualify.workload import (
     load_workload,
     qualify_adamw_oracle,
     repo_root,
-    sha256_file,
     verdict_of,
     write_receipt,
 )
@@ -46,14 +46,14 @@ def _repin(root: Path) -> None:
     """Point the copied workload at the (edited) copied fixture."""
     path = root / WORKLOAD_REL
     workload = json.loads(path.read_text())
-    workload["fixture"]["sha256"] = sha256_file(root / FIXTURE_REL)
+    workload["fixture"]["sha256"] = file_sha256_hex(root / FIXTURE_REL)
     path.write_text(json.dumps(workload))
 
 
 def test_workload_pins_the_committed_fixture():
     workload = load_workload(WORKLOAD)
     assert workload["fixture"]["path"] == FIXTURE_REL
-    assert workload["fixture"]["sha256"] == sha256_file(REPO / FIXTURE_REL)
+    assert workload["fixture"]["sha256"] == file_sha256_hex(REPO / FIXTURE_REL)
     assert [c["id"] for c in workload["cases"]] == [
         "ordinary_float32",
         "ordinary_bfloat16",
@@ -74,7 +74,7 @@ def test_without_cuda_the_resident_stage_is_not_run_and_the_verdict_incomplete()
     stages = _stages(receipt)
     assert list(stages) == ["fixture_contract", "portable_reference", "resident_backend"]
     assert stages["fixture_contract"]["outcome"] == "pass"
-    assert stages["fixture_contract"]["sha256"] == sha256_file(REPO / FIXTURE_REL)
+    assert stages["fixture_contract"]["sha256"] == file_sha256_hex(REPO / FIXTURE_REL)
     ref = stages["portable_reference"]
     assert ref["outcome"] == "pass" and ref["device"] == "cpu"
     assert sorted(r["case_id"] for r in ref["results"]) == [

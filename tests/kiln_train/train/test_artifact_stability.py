@@ -70,6 +70,7 @@ def mask(value, key: str | None = None):
 def run_artifacts(resident, qwen_examples, tmp_path) -> dict:
     from kiln_train.data.ingestion import ingest_examples
     from kiln_train.sft_config import parse_sft_config
+    from kiln_train.train.request import TrainRequest
     from kiln_train.train.trainer import train_sft
 
     config = parse_sft_config(
@@ -87,12 +88,14 @@ def run_artifacts(resident, qwen_examples, tmp_path) -> dict:
     )
     registry = tmp_path / "adapters"
     result = train_sft(
-        resident,
-        config,
-        ingestion,
-        loss_route=resident.backend.sft_loss_route,
-        output_root=registry,
-        adapter_name="stable",
+        TrainRequest(
+            resident=resident,
+            config=config,
+            ingestion=ingestion,
+            loss_route=resident.backend.sft_loss_route,
+            output_root=registry,
+            adapter_name="stable",
+        )
     )
     assert result.status == "success", result.failure_message
     out = {

@@ -27,7 +27,6 @@ from kiln_train import model as model_pkg
 from kiln_train.checkpoint import (
     CheckpointError,
     discover_checkpoints,
-    latest_valid_checkpoint,
     load_checkpoint,
 )
 from kiln_train.checkpoint import publish as publish_module
@@ -353,8 +352,9 @@ def test_a_flipped_byte_anywhere_in_a_state_file_names_it(
 @pytest.fixture
 def validate_resume(resident, ingestion, tmp_path):
     """The trainer's own resume validation (`SftRun._load_resume`) of a checkpoint directory."""
-    from kiln_train.train.support import auxiliary_state, default_checkpoint_plan, per_row_plan
-    from kiln_train.train.trainer import SftRun
+    from kiln_train.train.identity import auxiliary_state
+    from kiln_train.train.run import SftRun
+    from kiln_train.train.segment_plan import default_checkpoint_plan, per_row_plan
 
     config = make_config(**CONFIG)
     run = SftRun(
@@ -470,7 +470,7 @@ def test_the_newest_of_two_checkpoints_corrupt(
     data = bytearray((newest / ADAPTER).read_bytes())
     data[len(data) // 2] ^= 0x01
     (newest / ADAPTER).write_bytes(bytes(data))
-    assert latest_valid_checkpoint(root, NAME).path == newest
+    assert [c for c in discover_checkpoints(root, NAME) if c.valid][-1].path == newest
     before = sorted(p.name for p in root.iterdir())
     result = _resume(resident, ingestion, root, newest)
     _refused(result, root, attach_calls, newest.name, "files['adapter.safetensors'].sha256", before=before)

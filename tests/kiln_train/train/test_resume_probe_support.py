@@ -26,6 +26,7 @@ import torch
 
 from kiln_train.model.resident import load_resident
 from kiln_train.sft_config import SftConfig
+from kiln_train.train.request import TrainRequest
 from kiln_train.train.trainer import train_sft
 from tests.kiln_train.train.trainer_fixtures import (
     TRAIN_THREADS,
@@ -168,15 +169,17 @@ def _leg_main(job_path: str) -> None:
     ingestion = ingest(res, job["rows"], policy=job.get("policy", "fail"))
     stopper = StopAt(job["stop_at"]) if job.get("stop_at") is not None else None
     result = train_sft(
-        res,
-        SftConfig.model_validate(job["config"]),
-        ingestion,
-        loss_route=res.backend.sft_loss_route,
-        output_root=job["output_root"],
-        adapter_name=job["adapter_name"],
-        resume_checkpoint=job.get("resume_checkpoint"),
-        progress=stopper.progress if stopper else None,
-        should_stop=stopper.should_stop if stopper else None,
+        TrainRequest(
+            resident=res,
+            config=SftConfig.model_validate(job["config"]),
+            ingestion=ingestion,
+            loss_route=res.backend.sft_loss_route,
+            output_root=job["output_root"],
+            adapter_name=job["adapter_name"],
+            resume_checkpoint=job.get("resume_checkpoint"),
+            progress=stopper.progress if stopper else None,
+            should_stop=stopper.should_stop if stopper else None,
+        )
     )
     print(
         json.dumps(

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln_train.train.trainer import intra_op_threads, recorded_aux, recorded_cpu_threads, train_sft
+from kiln_train.train.request import TrainRequest
+from kiln_train.train.resume import intra_op_threads, recorded_aux, recorded_cpu_threads
+from kiln_train.train.trainer import train_sft
 from tests.kiln_train.train import trainer_fixtures as fx
 from tests.kiln_train.train.trainer_fixtures import conversations, ingest, make_config, read_json
 
@@ -29,13 +31,15 @@ ROWS, EPOCHS, INTERVAL, STOP = 4, 1, 2, 2
 def _train(resident, config, ingestion, root: Path, threads: int, **kw):
     with intra_op_threads(threads):
         return train_sft(
-            resident,
-            config,
-            ingestion,
-            loss_route=resident.backend.sft_loss_route,
-            output_root=root,
-            adapter_name=NAME,
-            **kw,
+            TrainRequest(
+                resident=resident,
+                config=config,
+                ingestion=ingestion,
+                loss_route=resident.backend.sft_loss_route,
+                output_root=root,
+                adapter_name=NAME,
+                **kw,
+            )
         )
 
 
@@ -84,13 +88,15 @@ def test_thread_count_changes_the_bits_and_a_resume_uses_the_recorded_count(resi
     # Resume in a process running 1 thread: the continuation runs with 2 and equals straight2.
     with intra_op_threads(1):
         resumed = train_sft(
-            resident,
-            config,
-            ingestion,
-            loss_route=resident.backend.sft_loss_route,
-            output_root=stopped_root,
-            adapter_name=NAME,
-            resume_checkpoint=ckpt,
+            TrainRequest(
+                resident=resident,
+                config=config,
+                ingestion=ingestion,
+                loss_route=resident.backend.sft_loss_route,
+                output_root=stopped_root,
+                adapter_name=NAME,
+                resume_checkpoint=ckpt,
+            )
         )
         assert torch.get_num_threads() == 1  # the process's own count is back
     assert resumed.status == "success", resumed.failure_message
@@ -134,13 +140,15 @@ def test_a_resume_refused_by_the_loader_restores_the_thread_count(resident, setu
     (bogus / "checkpoint_manifest.json").write_text(json.dumps(body), encoding="utf-8")
     with intra_op_threads(1):
         result = train_sft(
-            resident,
-            config,
-            ingestion,
-            loss_route=resident.backend.sft_loss_route,
-            output_root=tmp_path / "out",
-            adapter_name=NAME,
-            resume_checkpoint=bogus,
+            TrainRequest(
+                resident=resident,
+                config=config,
+                ingestion=ingestion,
+                loss_route=resident.backend.sft_loss_route,
+                output_root=tmp_path / "out",
+                adapter_name=NAME,
+                resume_checkpoint=bogus,
+            )
         )
         assert torch.get_num_threads() == 1
     assert result.status == "failed"

@@ -15,11 +15,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from kiln_train.artifacts.adapter import adapter_config, parse_key
-from kiln_train.artifacts.provenance import file_digest, verify_provenance_digest
-from kiln_train.artifacts.receipt import validate_receipt
+from kiln_train.artifacts.digest import file_digest
+from kiln_train.artifacts.provenance import verify_provenance_digest
 from kiln_train.checkpoint import epoch_order, load_checkpoint
 from kiln_train.model.config import LORA_TARGET_MODULES
-from kiln_train.train import trainer as trainer_mod
+from kiln_train.train import optimizer as optimizer_mod
+from tests.kiln_train.artifacts.receipt_checks import validate_receipt
 from tests.kiln_train.train import trainer_fixtures as fx
 from tests.kiln_train.train.trainer_fixtures import conversations, ingest, make_config, read_json, train
 
@@ -43,10 +44,10 @@ def sgd_run(resident, ingestion, tmp_path_factory):
         seed=SEED, epochs=EPOCHS, optimizer={"kind": "sgd"}, learning_rate=0.05, checkpoint_interval=4
     )
     reports, steps = [], []
-    real_build = trainer_mod.build_optimizer
+    real_build = optimizer_mod.build_optimizer
 
-    def build(cfg, params, lr):
-        opt = real_build(cfg, params, lr)
+    def build(*args, **settings):
+        opt = real_build(*args, **settings)
         real_step = opt.step
 
         def step(grads):
@@ -59,7 +60,7 @@ def sgd_run(resident, ingestion, tmp_path_factory):
         return opt
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(trainer_mod, "build_optimizer", build)
+    mp.setattr(optimizer_mod, "build_optimizer", build)
     try:
         result = train(
             resident, config, ingestion, root, adapter_name="sgd-contract", progress=reports.append
@@ -325,7 +326,7 @@ def test_an_unresolved_config_or_bad_name_fails_before_anything_is_written(resid
 
 def test_forward_and_backward_run_inside_the_training_scope(resident, ingestion, tmp_path, monkeypatch):
     """Seed 000 "Tape authority": the step opens the scope; nothing outside a step sees it."""
-    from kiln_train.train.support import TRAINING_SCOPE
+    from kiln_train.train.scope import TRAINING_SCOPE
 
     module = resident.model.get_submodule("layers.0.mlp.up_proj")
     real_forward = module.forward

@@ -13,12 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln_train.artifacts.receipt import validate_receipt
 from kiln_train.checkpoint import load_checkpoint
 from kiln_train.model import attach_lora
 from kiln_train.model.resident import load_resident
-from kiln_train.train import trainer as trainer_mod
-from kiln_train.train.trainer import SftRun
+from kiln_train.train import optimizer as optimizer_mod
+from kiln_train.train import run as run_mod
+from kiln_train.train.run import SftRun
+from tests.kiln_train.artifacts.receipt_checks import validate_receipt
 from tests.kiln_train.train import trainer_fixtures as fx
 from tests.kiln_train.train.trainer_fixtures import conversations, failed_receipt, ingest, make_config, train
 
@@ -50,10 +51,10 @@ class StepSpy:
     def __init__(self, monkeypatch):
         self.opt = None
         self.at_failure: dict | None = None
-        real_build = trainer_mod.build_optimizer
+        real_build = optimizer_mod.build_optimizer
 
-        def build(cfg, params, lr):
-            opt = real_build(cfg, params, lr)
+        def build(*args, **settings):
+            opt = real_build(*args, **settings)
             real_step = opt.step
 
             def step(grads):
@@ -68,7 +69,7 @@ class StepSpy:
             self.opt = opt
             return opt
 
-        monkeypatch.setattr(trainer_mod, "build_optimizer", build)
+        monkeypatch.setattr(optimizer_mod, "build_optimizer", build)
 
     @staticmethod
     def snapshot(opt) -> dict:
@@ -204,7 +205,7 @@ def test_a_non_finite_loss_fails_the_run_and_is_never_skipped(tiny_dir, ingestio
 
 def _scaled_loss(monkeypatch, rows: int, factor: float) -> None:
     """Multiply every loss after the first epoch by `factor` (gradients included)."""
-    real = trainer_mod.sft_loss
+    real = run_mod.sft_loss
     calls = {"n": 0}
 
     def loss(*args):
@@ -212,7 +213,7 @@ def _scaled_loss(monkeypatch, rows: int, factor: float) -> None:
         value = real(*args)
         return value * factor if calls["n"] > rows else value
 
-    monkeypatch.setattr(trainer_mod, "sft_loss", loss)
+    monkeypatch.setattr(run_mod, "sft_loss", loss)
 
 
 def test_the_divergence_guard_stops_a_run_whose_loss_explodes(resident, ingestion, tmp_path, monkeypatch):

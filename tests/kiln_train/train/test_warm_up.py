@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln_train.train.support import warm_up
+from kiln_train.train.warmup import warm_up
 from tests.kiln_train.train.trainer_fixtures import resident, tiny_dir  # noqa: F401
 
 

@@ -33,7 +33,8 @@ from kiln_train.data.ingestion import IngestionResult, ingest_examples
 from kiln_train.model.resident import ResidentModel, load_resident
 from kiln_train.model.tiny import write_tiny_checkpoint
 from kiln_train.sft_config import SftConfig, parse_sft_config
-from kiln_train.train.support import TrainResult
+from kiln_train.train.request import TrainRequest
+from kiln_train.train.result import TrainResult
 from kiln_train.train.trainer import train_sft
 
 TRAIN_THREADS = 1
@@ -111,7 +112,9 @@ def train(resident: ResidentModel, config: SftConfig, ingestion: IngestionResult
     torch.set_num_threads(TRAIN_THREADS)
     try:
         kw.setdefault("loss_route", resident.backend.sft_loss_route)
-        return train_sft(resident, config, ingestion, output_root=root, **kw)
+        return train_sft(
+            TrainRequest(resident=resident, config=config, ingestion=ingestion, output_root=root, **kw)
+        )
     finally:
         torch.set_num_threads(before)
 
@@ -155,13 +158,15 @@ def _resume_jobs(jobs_path: str) -> None:
         ingestion = ingest(res, job["rows"])
         config = SftConfig.model_validate(job["config"])
         result = train_sft(
-            res,
-            config,
-            ingestion,
-            loss_route=res.backend.sft_loss_route,
-            output_root=job["output_root"],
-            adapter_name=job["adapter_name"],
-            resume_checkpoint=job["resume_checkpoint"],
+            TrainRequest(
+                resident=res,
+                config=config,
+                ingestion=ingestion,
+                loss_route=res.backend.sft_loss_route,
+                output_root=job["output_root"],
+                adapter_name=job["adapter_name"],
+                resume_checkpoint=job["resume_checkpoint"],
+            )
         )
         out.append(
             {
