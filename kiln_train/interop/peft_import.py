@@ -414,7 +414,9 @@ def check_run(
                 f"{RESULT_FILE} names export bundle_digest {digest}, which is no export of this server; upload "
                 f"the bundle's {MANIFEST} with the adapter"
             )
-    script = _get(export, f"files.{RUNNER_FILE}.sha256") if isinstance(export.get("files"), dict) else None
+    files = export.get("files") if isinstance(export.get("files"), dict) else {}
+    entry = files.get(RUNNER_FILE)
+    script = entry.get("sha256") if isinstance(entry, dict) else None
     if _get(result, "script.sha256") != script:
         raise import_mismatch(
             f"the run executed a train.py with sha256 {_get(result, 'script.sha256')}, the export's is {script}"
