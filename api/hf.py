@@ -16,6 +16,8 @@ Every refusal happens before anything is written, so a refused request leaves no
 from __future__ import annotations
 
 import json
+import shutil
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -48,6 +50,9 @@ EXPORTS_DIR = "hf-exports"
 GZIP_TYPES = ("application/gzip", "application/x-gzip")
 # An upload may unpack to this many times the request limit (adapters barely compress).
 UNPACK_FACTOR = 4
+# A hidden staging or trash directory in the exports directory untouched this long belongs to a
+# process that died mid-export or mid-delete (a live one finishes in seconds).
+ABANDONED_AFTER_SECONDS = 3600.0
 
 
 def exports_dir(svc: Services) -> Path:
@@ -233,6 +238,28 @@ def check_export_name(name: str) -> str:
     return name
 
 
+def sweep_abandoned(root: Path, now: float | None = None) -> list[str]:
+    """Delete hidden staging and trash directories of exports that outlived their process."""
+    swept = []
+    now = time.time() if now is None else now
+    if not root.is_dir():
+        return swept
+    for entry in root.iterdir():
+        hidden = entry.name.startswith(".") and (
+            bundle_mod.STAGING_MARK in entry.name or entry.name.startswith(".trash-")
+        )
+        if not hidden or entry.is_symlink() or not entry.is_dir():
+            continue
+        try:
+            newest = max([entry.stat().st_mtime, *(p.stat().st_mtime for p in entry.rglob("*"))])
+        except OSError:
+            continue
+        if now - newest > ABANDONED_AFTER_SECONDS:
+            shutil.rmtree(entry, ignore_errors=True)
+            swept.append(entry.name)
+    return swept
+
+
 def create_export(svc: Services, body: object) -> HfExportInfo:
     request = parse_export_request(body)
     config = request.sft_config()
@@ -240,6 +267,7 @@ def create_export(svc: Services, body: object) -> HfExportInfo:
     target, resident = resident_facts(svc)
     settings = svc.settings
     root = exports_dir(svc)
+    sweep_abandoned(root)
     if (root / bundle_mod.bundle_dir_name(request.name)).exists():
         raise InteropError(bundle_mod.HF_EXPORT_ALREADY_EXISTS, f"export {request.name!r} already exists")
     input_adapter = None

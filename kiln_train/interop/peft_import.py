@@ -609,7 +609,9 @@ def publish_import(
     check_adapter_name(name)
     adapters_dir.mkdir(parents=True, exist_ok=True)
     target = adapters_dir / name
-    staging = adapters_dir / f".{name}{STAGING_MARK}{uuid.uuid4().hex}"
+    # A fixed-length staging name (an adapter name may use the whole 255 bytes of a path segment);
+    # the registry's sweep of abandoned `.<x>.incomplete-<hex>` directories covers it too.
+    staging = adapters_dir / f".hf-import{STAGING_MARK}{uuid.uuid4().hex}"
     staging.mkdir()
     renamed = False
     try:
