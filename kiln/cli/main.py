@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "kiln.cli.service_cmd",
     "kiln.cli.worker_cmd",
     "kiln.cli.client_cmd",
+    "kiln.cli.hf_cmd",  # `kiln train hf ...`: after client_cmd, which makes the `train` group
     "kiln.cli.demo_cmd",
     "kiln.cli.up_cmd",
 )
