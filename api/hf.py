@@ -233,11 +233,6 @@ def resident_facts(svc: Services) -> tuple[RunnerTarget, ResidentFacts]:
 # ----- exports ------------------------------------------------------------------------------------
 
 
-def check_export_name(name: str) -> str:
-    bundle_mod.check_export_name(name)
-    return name
-
-
 def sweep_abandoned(root: Path, now: float | None = None) -> list[str]:
     """Delete hidden staging and trash directories of exports that outlived their process."""
     swept = []
@@ -307,7 +302,7 @@ def _read_manifest(path: Path) -> dict | None:
 
 
 def find_export(svc: Services, name: str) -> tuple[Path, dict]:
-    check_export_name(name)
+    bundle_mod.check_export_name(name)
     path = exports_dir(svc) / bundle_mod.bundle_dir_name(name)
     manifest = _read_manifest(path) if path.is_dir() else None
     if manifest is None:

@@ -11,7 +11,6 @@ renamed into place. Every check runs before anything is written; a refused expor
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,10 +138,3 @@ def export_sft(
 
     path = bundle_mod.publish_bundle(exports_dir, name, build)
     return ExportResult(path, holder["manifest"], ingestion)
-
-
-def read_export(exports_dir: Path, name: str) -> tuple[Path, dict]:
-    """(directory, manifest) of a published export; FileNotFoundError when there is none."""
-    path = exports_dir / bundle_mod.bundle_dir_name(name)
-    manifest = json.loads((path / bundle_mod.MANIFEST).read_text(encoding="utf-8"))
-    return path, manifest

@@ -282,3 +282,42 @@ def test_export_request_document_matches_the_parser(client, runner):
         assert (answer.status_code == 201) is ok, (field, value, answer.get_json())
         if not ok:
             assert answer.get_json()["error"]["code"] == "training_invalid_request"
+
+
+def _integers(schema, where):
+    if isinstance(schema, dict):
+        if schema.get("type") == "integer":
+            yield where, schema
+        for key, value in schema.items():
+            yield from _integers(value, f"{where}.{key}")
+    elif isinstance(schema, list):
+        for i, value in enumerate(schema):
+            yield from _integers(value, f"{where}[{i}]")
+
+
+def test_every_export_integer_has_an_upper_bound(client):
+    schemas = _doc(client)["components"]["schemas"]
+    found = [
+        hit for model in ("HfSftExportRequest", "HfExportConfig") for hit in _integers(schemas[model], model)
+    ]
+    assert len(found) >= 3
+    for where, schema in found:
+        assert "maximum" in schema, where
+
+
+def test_abandoned_staging_is_swept_by_the_next_export(client, runner, settings):
+    import os
+    import time
+
+    root = settings.storage_root / "hf-exports"
+    old = root / ".gone.kiln-hf.incomplete-0123"
+    fresh = root / ".busy.kiln-hf.incomplete-4567"
+    for path in (old, fresh):
+        (path / "initial_adapter").mkdir(parents=True)
+        (path / "train.jsonl").write_text("{}")
+    stale = time.time() - 2 * 3600
+    for path in (old / "initial_adapter", old / "train.jsonl", old):
+        os.utime(path, (stale, stale))
+    assert client.post("/v1/train/hf/sft/exports", json=export_body()).status_code == 201
+    assert not old.exists() and fresh.exists()
+    assert [e["name"] for e in client.get("/v1/train/hf/exports").get_json()["exports"]] == ["bundle"]

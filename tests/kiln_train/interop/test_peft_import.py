@@ -391,3 +391,11 @@ def test_publication_never_overwrites_and_cleans_up(run, facts, tmp_path):
         publish_import(registry, "a-checkpoint-step-00000001", plan)
     assert err.value.code == "invalid_adapter_name"
     assert peft_import.IMPORT_SCHEMA == "kiln.hf-peft-import.v1"
+
+
+def test_a_name_of_a_whole_path_segment_publishes(run, facts, tmp_path):
+    """The staging directory's name does not grow with the adapter's (255 bytes is allowed)."""
+    out, find = run
+    name = "n" * 255
+    path, _ = publish_import(tmp_path / "registry", name, plan_import(read_directory(out), facts, find))
+    assert path.name == name and [p.name for p in (tmp_path / "registry").iterdir()] == [name]
