@@ -90,6 +90,7 @@ _DESCRIPTIVE = frozenset(
         "megatron_core",
         "qalora_group_size",  # meaningful only with use_qalora, which is refused
         "ensure_weight_tying",  # meaningful only with modules_to_save / trainable tokens, refused
+        "eva_config",  # EVA only chooses the initial A; rank redistribution would show in rank_pattern
     }
 )
 # Initialisations after which the adapter is a plain delta on the original base weights (PiSSA,

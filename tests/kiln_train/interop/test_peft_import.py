@@ -399,3 +399,9 @@ def test_a_name_of_a_whole_path_segment_publishes(run, facts, tmp_path):
     name = "n" * 255
     path, _ = publish_import(tmp_path / "registry", name, plan_import(read_directory(out), facts, find))
     assert path.name == name and [p.name for p in (tmp_path / "registry").iterdir()] == [name]
+
+
+def test_init_only_options_are_accepted(run, facts):
+    out, find = run
+    _edit_config(out, init_lora_weights="eva", eva_config={"rho": 2.0}, lora_dropout=0.1)
+    assert plan_import(read_directory(out), facts, find).peft_config["init_lora_weights"] == "eva"
