@@ -69,6 +69,13 @@ def test_import_registers_lists_downloads_and_warm_starts(client, run_output, se
     job = client.post("/v1/train/sft", json=sft_body(2, base_adapter="tuned", output_name="next"))
     assert job.status_code == 200, job.get_json()
     assert job.get_json()["state"] == "queued"
+    # its receipt is the import receipt (in the download): it has no train_receipt.json
+    assert client.get("/v1/adapters/tuned/receipt").get_json()["error"]["code"] == "adapter_not_found"
+    busy = client.delete("/v1/adapters/tuned")  # a queued job warm-starts from it
+    assert busy.status_code == 409 and busy.get_json()["error"]["code"] == "adapter_active"
+    assert client.delete(f"/v1/train/queue/{job.get_json()['job_id']}").status_code == 200
+    assert client.delete("/v1/adapters/tuned").get_json()["status"] == "deleted"
+    assert not path.exists()
 
 
 def test_a_plain_peft_adapter_is_accepted_on_shapes(client, run_output, settings):
