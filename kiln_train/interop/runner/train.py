@@ -319,9 +319,14 @@ def train(
     with safe_open(str(initial / "adapter_model.safetensors"), framework="pt") as f:
         adapter_keys = list(f.keys())
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    if trainable != expected_trainable(adapter_keys):
-        extra = sorted(trainable - expected_trainable(adapter_keys))[:3]
-        raise Refusal(7, f"trainable parameters are not exactly the LoRA leaves (for example {extra})")
+    want = expected_trainable(adapter_keys)
+    if trainable != want:
+        extra, missing = sorted(trainable - want), sorted(want - trainable)
+        raise Refusal(
+            7,
+            f"the trainable parameters are not exactly the LoRA leaves: {len(extra)} more (first "
+            f"{extra[:1]}), {len(missing)} missing (first {missing[:1]})",
+        )
     lora_params = {id(p) for p in model.parameters() if p.requires_grad}
 
     opt = manifest["optimizer"]
