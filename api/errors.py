@@ -31,6 +31,13 @@ from kiln_train.errors import (
     TRAINING_WILL_NOT_FIT,
     KilnError,
 )
+from kiln_train.interop.errors import (
+    HF_EXPORT_ALREADY_EXISTS,
+    HF_EXPORT_NOT_FOUND,
+    HF_EXPORT_UNSUPPORTED,
+    PEFT_IMPORT_INVALID,
+    PEFT_IMPORT_MISMATCH,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +73,12 @@ API_ERRORS: dict[str, tuple[int, int | None, str | None]] = {
     TRAINING_WILL_NOT_FIT: (413, None, None),
     INVALID_ADAPTER_NAME: (400, None, None),
     ADAPTER_ALREADY_EXISTS: (409, None, None),
+    # raised by the HF/TRL interop library (its hints are its own)
+    HF_EXPORT_NOT_FOUND: (404, None, None),
+    HF_EXPORT_ALREADY_EXISTS: (409, None, None),
+    HF_EXPORT_UNSUPPORTED: (400, None, None),
+    PEFT_IMPORT_INVALID: (400, None, None),
+    PEFT_IMPORT_MISMATCH: (409, None, None),
     # raised by the job store
     TRAINING_JOB_NOT_FOUND: (404, None, "List jobs with GET /v1/train/status."),
     TRAINING_JOB_NOT_CANCELLABLE: (409, None, "The job already finished; nothing to cancel."),

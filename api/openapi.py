@@ -29,12 +29,21 @@ from api.datasets import (
     DeletedDataset,
     InspectResponse,
 )
+from api.hf import (
+    GZIP_TYPES,
+    HfDeletedExport,
+    HfExportInfo,
+    HfExportList,
+    HfImportResponse,
+    HfSftExportRequest,
+)
 from api.http import MAX_JSON_DEPTH
 from api.preflight import PreflightResponse
 from api.ui import is_ui_path
 from kiln.store import Admission
 from kiln.store.events import MAX_EVENT_PAGE
 from kiln.store.jobs import JOB_ID_MAX
+from kiln_train.interop.bundle import EXPORT_NAME_PATTERN
 from kiln_train.sft_config import MAX_NS_ITERS, U64_MAX, SftRequest
 
 OPENAPI_VERSION = "3.1.0"
@@ -54,6 +63,16 @@ PATH_PARAMETERS: dict[str, dict] = {
     },
     "dataset": {"type": "string", "pattern": DATASET_NAME_PATTERN, "maxLength": DATASET_NAME_MAX},
     "filename": {"type": "string", "minLength": 1},
+}
+
+# The HF interop routes' names: an export bundle's (kiln_train.interop.bundle.check_export_name) and
+# the name an imported adapter is registered under (kiln_train.artifacts.adapter.check_adapter_name,
+# stricter than the adapter routes': it must start with a letter or digit).
+EXPORT_NAME: dict = {"type": "string", "pattern": EXPORT_NAME_PATTERN}
+IMPORT_NAME: dict = {
+    "type": "string",
+    "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$",
+    "not": {"anyOf": [{"pattern": "\\.kiln-checkpoint$"}, {"pattern": "-checkpoint-step-"}]},
 }
 
 
@@ -118,6 +137,7 @@ class Route:
     raw_body: str | None = None  # media type of a body that is not JSON (JSON Lines uploads)
     ok_status: str = "200"
     ok_alternatives: tuple[type[BaseModel], ...] = ()  # other 200 bodies (oneOf)
+    params: dict[str, dict] = field(default_factory=dict)  # path parameters unlike PATH_PARAMETERS
 
 
 ROUTES: tuple[Route, ...] = (
@@ -232,6 +252,42 @@ ROUTES: tuple[Route, ...] = (
             )
         },
     ),
+    # ----- HF/TRL interop (api.hf) -----
+    Route(
+        "post",
+        "/v1/train/hf/sft/exports",
+        "Export admitted rows as a bundle for the pinned TRL runner",
+        HfExportInfo,
+        body=HfSftExportRequest,
+        ok_status="201",
+    ),
+    Route("get", "/v1/train/hf/exports", "SFT export bundles", HfExportList),
+    Route(
+        "get", "/v1/train/hf/exports/{name}", "One export bundle", HfExportInfo, params={"name": EXPORT_NAME}
+    ),
+    Route(
+        "delete",
+        "/v1/train/hf/exports/{name}",
+        "Delete an export bundle",
+        HfDeletedExport,
+        params={"name": EXPORT_NAME},
+    ),
+    Route(
+        "get",
+        "/v1/train/hf/exports/{name}/download",
+        "The export bundle as tar.gz",
+        "application/gzip",
+        params={"name": EXPORT_NAME},
+    ),
+    Route(
+        "post",
+        "/v1/train/hf/peft/imports/{name}",
+        "Check a PEFT LoRA adapter against the resident model and register it",
+        HfImportResponse,
+        raw_body=GZIP_TYPES[0],
+        ok_status="201",
+        params={"name": IMPORT_NAME},
+    ),
     Route("get", "/", "The browser UI", "text/html"),
     Route("get", "/ui/defaults.json", "The SFT form's defaults (the server's)", "application/json"),
     Route("get", "/ui/{filename}", "A file of the browser UI", "application/octet-stream"),
@@ -304,6 +360,29 @@ REQUEST_CONSTRAINTS: dict[str, dict[str, dict]] = {
         "ns_iters": {"type": "integer", "minimum": 1, "maximum": MAX_NS_ITERS},
         "weight_decay": NON_NEGATIVE,
     },
+    # HF/TRL interop (api.hf): the export request and the run it describes.
+    "HfSftExportRequest": {
+        "examples": _nullable({"type": "array", "minItems": 1, "items": {"type": "object"}}),
+        "dataset_path": _nullable(
+            {
+                "type": "string",
+                "pattern": NON_BLANK,
+                "maxLength": Admission.__table__.c.dataset_path.type.length,
+            }
+        ),
+        "input_adapter": _nullable(ADAPTER_NAME),
+    },
+    "HfExportConfig": {
+        "learning_rate": _nullable(F32_POSITIVE),
+        "lora_alpha": F32_POSITIVE,
+        "seed": {
+            "anyOf": [
+                {"type": "integer", "minimum": 0, "maximum": U64_MAX},
+                {"type": "string", "pattern": "^[0-9]{1,20}$", "description": "u64 as a decimal string"},
+                {"type": "null"},
+            ]
+        },
+    },
 }
 # Exactly one data transport (SftRequest._one_transport); `dataset` is refused above.
 SFT_TRANSPORTS = {
@@ -340,6 +419,16 @@ SFT_CONFIG_RULES = {
 }
 
 
+# The export's run must be one the pinned TRL runner reproduces: muon is refused (400
+# hf_export_unsupported, kiln_train.interop.bundle.refuse_unsupported_optimizer).
+HF_EXPORT_CONFIG_RULES = {
+    "not": {
+        "required": ["optimizer"],
+        "properties": {"optimizer": {"required": ["kind"], "properties": {"kind": {"const": "muon"}}}},
+    }
+}
+
+
 def _constrain(components: dict) -> dict:
     for model, fields in REQUEST_CONSTRAINTS.items():
         properties = components[model]["properties"]
@@ -348,11 +437,14 @@ def _constrain(components: dict) -> dict:
             properties[name] = {**kept, **schema}
     components["SftRequest"].update(SFT_TRANSPORTS)
     components["SftConfig"].update(SFT_CONFIG_RULES)
+    components["HfSftExportRequest"].update(SFT_TRANSPORTS)
+    components["HfExportConfig"].update(HF_EXPORT_CONFIG_RULES)
     return components
 
 
 MODELS: tuple[tuple[type[BaseModel], str], ...] = (
     (SftRequest, "validation"),
+    (HfSftExportRequest, "validation"),
     (schemas.ErrorEnvelope, "serialization"),
     *((r.ok, "serialization") for r in ROUTES if isinstance(r.ok, type) and issubclass(r.ok, BaseModel)),
     *((m, "serialization") for r in ROUTES for m in r.ok_alternatives),
@@ -363,9 +455,12 @@ def _ref(model: type[BaseModel]) -> dict:
     return {"$ref": REF.format(model=model.__name__)}
 
 
-def _path_parameters(path: str) -> list[dict]:
+def _path_parameters(path: str, overrides: dict[str, dict]) -> list[dict]:
     names = [part[1:-1] for part in path.split("/") if part.startswith("{")]
-    return [{"name": n, "in": "path", "required": True, "schema": PATH_PARAMETERS[n]} for n in names]
+    return [
+        {"name": n, "in": "path", "required": True, "schema": overrides.get(n, PATH_PARAMETERS.get(n))}
+        for n in names
+    ]
 
 
 def _raw_schema(media_type: str) -> dict:
@@ -376,7 +471,7 @@ def _raw_schema(media_type: str) -> dict:
 
 
 def _operation(route: Route, auth: bool) -> dict:
-    params = _path_parameters(route.path)
+    params = _path_parameters(route.path, route.params)
     params += [
         {
             "name": n,

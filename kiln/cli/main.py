@@ -13,6 +13,7 @@ from kiln.cli import (
     config_cmd,
     data_cmd,
     demo_cmd,
+    hf_cmd,
     model_cmd,
     qualify_cmd,
     service_cmd,
@@ -30,6 +31,7 @@ COMMAND_MODULES = (
     service_cmd,
     worker_cmd,
     client_cmd,
+    hf_cmd,  # `kiln train hf ...`: after client_cmd, which makes the `train` group
     demo_cmd,
     up_cmd,
 )

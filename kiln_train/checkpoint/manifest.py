@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kiln_train.checkpoint.epoch_order import EPOCH_ORDER_ALGORITHM
 from kiln_train.checkpoint.errors import CheckpointError
 from kiln_train.checkpoint.json_io import dump_pretty_json, load_strict_json
+from kiln_train.model.config import LORA_INIT_ALGORITHM
 from kiln_train.sft_config import U64_MAX, OptimizerConfig
 
 # ----- layout (§5.1) --------------------------------------------------------------------------
@@ -61,7 +62,6 @@ STATE_FILE_ROLES: dict[str, str] = {
 DATA_SOURCE_KIND = "sft-valid-example-order-v1"
 EPOCH_ORDER_STREAM = "epoch-order"
 LORA_INIT_STREAM = "lora-init"
-LORA_INIT_ALGORITHM = "kiln-py.seeded-lora-init.v1"
 SCHEDULER_KIND = "constant"
 ROUND_TO_NEAREST = "round_to_nearest"
 

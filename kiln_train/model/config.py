@@ -21,6 +21,9 @@ LINEAR_ATTENTION = "linear_attention"
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 GDN_TARGETS = ("in_proj_qkv", "in_proj_z", "out_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+# How the trainer draws the initial LoRA A matrices (B starts at zero): recorded in checkpoints and
+# export bundles, reproduced torch-free by kiln_train.interop.lora_init.
+LORA_INIT_ALGORITHM = "kiln-py.seeded-lora-init.v1"
 LORA_TARGET_MODULES = ATTENTION_TARGETS + GDN_TARGETS + MLP_TARGETS
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -25,7 +25,6 @@ from torch import nn
 from kiln_train.model.config import Projection
 from kiln_train.model.linear import FrozenLinear
 
-LORA_INIT_ALGORITHM = "kiln-py.seeded-lora-init.v1"
 PEFT_KEY_PREFIX = "base_model.model.model."
 
 

@@ -29,6 +29,7 @@ from kiln_train.model.lora import release_lora
 from kiln_train.optim.state import encode_state
 from kiln_train.train.anomaly import anomaly_scan
 from kiln_train.train.grad_norms import GradNormAccumulator
+from kiln_train.train.guards import DIVERGENCE_MARGIN, DIVERGENCE_RATIO
 from kiln_train.train.identity import auxiliary_state
 from kiln_train.train.invariants import check_config_for_training, verify_rows
 from kiln_train.train.loss import sft_loss
@@ -39,10 +40,6 @@ from kiln_train.train.scope import training_scope
 from kiln_train.train.segment_plan import per_row_plan
 
 log = logging.getLogger(__name__)
-
-# The divergence guard: an epoch whose mean loss is both this many times the first epoch's and
-# this far above the best epoch's fails the run.
-DIVERGENCE_RATIO, DIVERGENCE_MARGIN = 8.0, 5.0
 
 
 @dataclass
