@@ -11,7 +11,7 @@ import tarfile
 import pytest
 
 from kiln.store import register_adapter
-from tests.kiln.store.test_store_support import admit
+from tests.kiln.store.store_support import admit
 
 FILES = {
     "adapter_config.json": b'{"r": 4}\n',

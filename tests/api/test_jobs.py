@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 from kiln.store import append_event, claim_job, finish_job, record_checkpoint, record_step, utcnow
 from tests.api.conftest import sft_body
-from tests.kiln_train.checkpoint.test_checkpoint_support import publish as publish_checkpoint
+from tests.kiln_train.checkpoint.checkpoint_support import publish as publish_checkpoint
 
 STATUS_FIELDS = {
     "job_id",

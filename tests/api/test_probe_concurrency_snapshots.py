@@ -10,7 +10,7 @@ import contextlib
 from sqlalchemy import Engine, event
 
 from kiln.store import claim_job
-from tests.kiln.store.test_store_support import admit
+from tests.kiln.store.store_support import admit
 
 JOBS_LIST = "ORDER BY training_jobs.queue_seq"
 

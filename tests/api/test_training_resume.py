@@ -13,7 +13,7 @@ from kiln_train.checkpoint import ADAPTER_FILE, epoch_order, publish_checkpoint,
 from kiln_train.plan.backend import backend_for_device
 from kiln_train.sft_config import SftConfig
 from tests.api.conftest import example, snapshot
-from tests.kiln_train.checkpoint.test_checkpoint_support import artifacts, auxiliary_state
+from tests.kiln_train.checkpoint.checkpoint_support import artifacts, auxiliary_state
 
 ROWS = 5  # the checkpoint test support's loop state is built for 5 items
 STEP = 3

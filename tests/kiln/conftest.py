@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.store import make_engine, session_factory
-from tests.kiln.store.test_store_support import BACKENDS, clear_tables, migrated_database
+from tests.kiln.store.store_support import BACKENDS, clear_tables, migrated_database
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

@@ -20,7 +20,7 @@ from sqlalchemy import func, select
 from kiln import store
 from kiln.store import models, states
 from tests.api.conftest import sft_body, unique_name
-from tests.kiln.store.test_store_support import migrated_database
+from tests.kiln.store.store_support import migrated_database
 from tests.worker.test_runtime import job_row, submit
 
 pytestmark = pytest.mark.postgres

@@ -19,7 +19,7 @@ from kiln.store import (
 )
 from kiln.store.errors import TRAINING_JOB_NOT_FOUND
 from kiln_train.errors import KilnError
-from tests.kiln.store.test_store_support import BACKENDS, admit, migrated_database
+from tests.kiln.store.store_support import BACKENDS, admit, migrated_database
 
 
 @pytest.fixture(params=BACKENDS)

@@ -20,7 +20,7 @@ import pytest
 
 from kiln_train.checkpoint import discover_checkpoints, load_checkpoint
 from tests.api.conftest import sft_body, unique_name
-from tests.kiln_train.checkpoint.test_checkpoint_support import publish
+from tests.kiln_train.checkpoint.checkpoint_support import publish
 from tests.worker.test_runtime import submit
 from worker import reconciler as reconciler_mod
 from worker.reconciler import ABANDONED_AFTER_SECONDS, sweep_abandoned, withdraw
@@ -39,7 +39,7 @@ def _killed_mid_publication(registry: Path, what: str) -> None:
         registry = Path({str(registry)!r})
         if {what!r} == "checkpoint":
             from kiln_train.checkpoint import publish as publish_module
-            from tests.kiln_train.checkpoint.test_checkpoint_support import publish
+            from tests.kiln_train.checkpoint.checkpoint_support import publish
             original = publish_module.write_artifacts
             def dying(*args, **kwargs):
                 original(*args, **kwargs)

@@ -40,7 +40,7 @@ from kiln.cli.sft_submit import read_smoke_prompts
 from kiln.settings import Settings
 from kiln.store import claim_job, make_engine, register_adapter, register_runner, session_factory
 from tests.api.conftest import REDIS_URL, example, make_settings, runner_kwargs, tiny_model_dir  # noqa: F401
-from tests.kiln.store.test_store_support import migrated_database
+from tests.kiln.store.store_support import migrated_database
 from tests.worker.stack import KILN, Stack, free_port
 
 PROFILE = "native_online_lora_v1"

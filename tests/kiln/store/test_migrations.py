@@ -22,7 +22,7 @@ from kiln.store import (
     upgrade_database,
 )
 from kiln.store.engine import migrations_dir
-from tests.kiln.store.test_store_support import BACKENDS, empty_database
+from tests.kiln.store.store_support import BACKENDS, empty_database
 
 TABLES = {
     "training_jobs",

@@ -25,7 +25,7 @@ from kiln.store import (
     states,
     utcnow,
 )
-from tests.kiln.store.test_store_support import (
+from tests.kiln.store.store_support import (
     BACKENDS,
     admit,
     claim_and_finish,

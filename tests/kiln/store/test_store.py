@@ -42,7 +42,7 @@ from kiln.store.errors import (
     TRAINING_JOB_NOT_FOUND,
 )
 from kiln_train.errors import KilnError
-from tests.kiln.store.test_store_support import (
+from tests.kiln.store.store_support import (
     admission_fields,
     admit,
     claim_and_finish,

@@ -7,7 +7,7 @@ from sqlalchemy import text
 
 from kiln.store import make_engine, normalize_url
 from kiln.store.engine import SQLITE_BUSY_TIMEOUT_MS
-from tests.kiln.store.test_store_support import POSTGRES_ADMIN_URL
+from tests.kiln.store.store_support import POSTGRES_ADMIN_URL
 
 
 @pytest.mark.parametrize(

@@ -44,7 +44,7 @@ from kiln.store import (
 )
 from kiln.store.errors import ADAPTER_NOT_FOUND
 from kiln_train.errors import ADAPTER_ALREADY_EXISTS, KilnError
-from tests.kiln.store.test_store_support import admit, run_steps
+from tests.kiln.store.store_support import admit, run_steps
 
 
 def _running_job(factory, worker_id: str = "worker-a", lease_seconds: float = 60, **overrides):
