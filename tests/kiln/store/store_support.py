@@ -9,6 +9,7 @@ server at KILN_TEST_POSTGRES_URL (default 127.0.0.1:5432/test, trust auth) is un
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,7 +22,17 @@ from sqlalchemy import Engine, delete
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
-from kiln.store import Base, Job, claim_job, finish_job, insert_admitted_job, record_step, upgrade_database
+from kiln.store import (
+    Base,
+    Job,
+    claim_job,
+    finish_job,
+    insert_admitted_job,
+    list_events,
+    record_checkpoint,
+    record_step,
+    upgrade_database,
+)
 
 POSTGRES_ADMIN_URL = os.environ.get("KILN_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 
@@ -143,3 +154,51 @@ def claim_and_finish(session: Session, job_id: str, state: str, worker_id: str =
     """Claim a queued job and end it in one go (for seeding history)."""
     assert claim_job(session, job_id, worker_id, 60) is not None
     return finish_job(session, job_id, state, worker_id=worker_id, **final)
+
+
+def running_job(factory, worker_id: str = "worker-a", lease_seconds: float = 60, **overrides):
+    with factory.begin() as session:
+        job = admit(session, **overrides)
+        return claim_job(session, job.id, worker_id, lease_seconds)
+
+
+def add_checkpoint(session, job_id: str, step: int, epoch_index: int = 0):
+    basename = f"{job_id[:8]}-checkpoint-step-{step:08d}.kiln-checkpoint"
+    return record_checkpoint(
+        session,
+        job_id,
+        checkpoint_id=f"sft-step-{step:08d}",
+        basename=basename,
+        path=f"/storage/adapters/{basename}",
+        global_step=step,
+        epoch_index=epoch_index,
+        cursor=step % 5,
+        manifest_sha256="sha256:" + "aa" * 32,
+        size_bytes=4096 + step,
+        write_ms=12.5,
+    )
+
+
+def event_kinds(factory, job_id: str) -> list[str]:
+    with factory() as session:
+        events, _ = list_events(session, job_id, limit=1000)
+        return [e.kind for e in events]
+
+
+def race(threads: int, target) -> list[BaseException]:
+    barrier = threading.Barrier(threads)
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
+        try:
+            barrier.wait()
+            target(index)
+        except BaseException as error:  # surfaced by the caller
+            errors.append(error)
+
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+    return errors

@@ -1,4 +1,4 @@
-"""Store fixtures for the tests/kiln modules: a migrated database per module on each backend
+"""Store fixtures for the tests in this folder: a migrated database per module on each backend
 (SQLite and Postgres), emptied before every test."""
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from kiln.store import current_revision, downgrade_database, head_revision, make_engine, upgrade_database
-from tests.kiln.cli.test_cli_probe_demo import demo_processes
+from tests.kiln.cli.processes import demo_processes
 from tests.ui.conftest import clean_env, free_port, stop_up, wait_for_line
 
 KILN = [sys.executable, "-m", "kiln.cli.main"]

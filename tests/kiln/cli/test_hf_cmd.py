@@ -1,5 +1,5 @@
 """`kiln train hf export-sft` and `kiln train hf import-peft` against a real api (a thread over a
-migrated SQLite store with a live runner row for the tiny model)."""
+migrated SQLite store with a live runner row for the tiny model: the `server` fixture)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import io
 import json
 import tarfile
 import urllib.request
-from collections.abc import Iterator
 
 import pytest
 from click.testing import CliRunner
@@ -15,15 +14,9 @@ from safetensors.torch import load_file, save_file
 
 from kiln.cli.main import cli
 from kiln_train.interop.bundle import verify_bundle
-from tests.api.conftest import example, runner_kwargs, tiny_model_dir  # noqa: F401
-from tests.kiln.cli.test_cli_client import Server, api_server, write_jsonl
+from tests.api.conftest import example
+from tests.kiln.cli.api_server import write_jsonl
 from tests.kiln_train.interop.support import fake_run_output, rewrite_result
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, runner_kwargs) -> Iterator[Server]:  # noqa: F811
-    with api_server(tmp_path_factory.mktemp("api"), runner_kwargs) as srv:
-        yield srv
 
 
 @pytest.fixture

@@ -18,8 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+
+from tests.kiln.cli.processes import demo_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -73,20 +74,6 @@ def wait_for_training(proc: subprocess.Popen, log: Path) -> None:
     raise AssertionError(f"no training step within {RUN_TIMEOUT_S}s:\n{log.read_text()[-4000:]}")
 
 
-def demo_processes(root: Path) -> list[psutil.Process]:
-    """Live processes started for this demo root (their environment names it)."""
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if "kiln.cli.main" not in " ".join(proc.info["cmdline"] or []):
-                continue
-            if proc.environ().get("KILN_STORAGE_ROOT") == str(root) and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
-
-
 def assert_nothing_left(root: Path, within_s: float = 0.0) -> None:
     deadline = time.monotonic() + within_s
     while True:
@@ -125,7 +112,7 @@ def test_twice_in_a_row_and_over_a_half_built_model(tmp_path):
     root = tmp_path / "demo-root"
     half_built = root / "models" / "kiln-tiny"
     half_built.mkdir(parents=True)
-    (half_built / "config.json").write_text("{}")  # what an interrupted build used to leave
+    (half_built / "config.json").write_text("{}")  # what an interrupted build can leave
 
     first, first_s = run_demo(root)
     assert f"{half_built} is incomplete (an interrupted build); rebuilding it" in first

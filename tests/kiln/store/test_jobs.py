@@ -1,11 +1,11 @@
-"""The job store's transitions on SQLite and Postgres: admission, idempotency, claim (exactly
-once under concurrency), cancel (each state and the races), finish guards, FIFO positions."""
+"""Job transitions on SQLite and Postgres: claim (exactly once under concurrency), step recording,
+finish guards, cancel (each state and the races) and deletion."""
 
 from __future__ import annotations
 
 import random
 import threading
-from datetime import UTC, datetime, timedelta, timezone
+from datetime import UTC, timedelta
 
 import pytest
 from sqlalchemy import event, exc, select
@@ -14,7 +14,6 @@ from api.errors import http_status
 from kiln.store import (
     CANCELLED,
     CANCELLING,
-    IdempotencyKeyTaken,
     InvalidTransition,
     Job,
     JobEvent,
@@ -25,15 +24,13 @@ from kiln.store import (
     delete_job,
     find_by_idempotency_key,
     finish_job,
-    get_admission,
     get_job,
-    insert_admitted_job,
     list_events,
-    list_queued,
-    queue_position,
-    queue_positions,
+    loss_history,
+    make_engine,
     record_step,
     request_cancel,
+    session_factory,
     states,
 )
 from kiln.store.errors import (
@@ -43,154 +40,14 @@ from kiln.store.errors import (
 )
 from kiln_train.errors import KilnError
 from tests.kiln.store.store_support import (
-    admission_fields,
+    BACKENDS,
     admit,
     claim_and_finish,
-    job_fields,
+    event_kinds,
+    migrated_database,
+    run_steps,
+    running_job,
 )
-
-
-def _events(factory, job_id: str) -> list[str]:
-    with factory() as session:
-        events, _ = list_events(session, job_id, limit=1000)
-        return [e.kind for e in events]
-
-
-# --- admission ---------------------------------------------------------------------------------
-
-
-def test_admission_writes_job_admission_and_first_event(factory):
-    before = datetime.now(UTC)
-    with factory.begin() as session:
-        job = admit(session, adapter_name="support-bot")
-    with factory() as session:
-        stored = get_job(session, job.id)
-        assert stored is not None
-        assert stored.state == states.QUEUED
-        assert stored.adapter_name == "support-bot"
-        assert stored.effective_seed == "18446744073709551615"  # u64 max survives as text
-        assert stored.attempts == 0 and stored.global_step == 0 and stored.cancel_requested is False
-        assert stored.published_at is None and stored.worker_id is None
-        assert stored.submitted_at.tzinfo == UTC and stored.submitted_at >= before
-        assert len(stored.id) == 36  # UUID4 text
-        admission = get_admission(session, job.id)
-        assert admission is not None
-        assert admission.optimizer["kind"] == "muon"
-        assert admission.examples[0]["messages"][1]["content"] == "yo"
-        assert admission.dataset_path is None
-    assert _events(factory, job.id) == [states.EVENT_QUEUED]
-
-
-def test_queue_seq_follows_admission_order(factory):
-    with factory.begin() as session:
-        jobs = [admit(session) for _ in range(3)]
-    with factory.begin() as session:
-        jobs.append(admit(session))
-    seqs = [job.queue_seq for job in jobs]
-    assert seqs == sorted(seqs) and len(set(seqs)) == 4
-
-
-def test_admission_refuses_store_owned_columns_and_two_data_transports(factory):
-    with factory.begin() as session, pytest.raises(ValueError, match="store-owned"):
-        insert_admitted_job(session, job_fields(state="running"), admission_fields())
-    with pytest.raises(exc.IntegrityError), factory.begin() as session:
-        insert_admitted_job(session, job_fields(), admission_fields(dataset_path="/data/x.jsonl"))
-    with factory() as session:
-        assert count_tracked(session) == 0  # the failed admission left nothing behind
-
-
-def test_dataset_path_admission(factory):
-    with factory.begin() as session:
-        job = insert_admitted_job(
-            session,
-            job_fields(),
-            admission_fields(data_source="dataset_path", examples=None, dataset_path="a.jsonl"),
-        )
-    with factory() as session:
-        admission = get_admission(session, job.id)
-        assert admission.dataset_path == "a.jsonl" and admission.examples is None
-
-
-def test_idempotency_key_is_unique_and_the_transaction_survives(factory):
-    with factory.begin() as session:
-        first = admit(session, idempotency_key="key-1")
-    with factory.begin() as session:
-        with pytest.raises(IdempotencyKeyTaken) as caught:
-            admit(session, idempotency_key="key-1")
-        assert caught.value.key == "key-1"
-        # Same transaction still usable: look the key up and admit something else.
-        assert find_by_idempotency_key(session, "key-1").id == first.id
-        other = admit(session, idempotency_key="key-2")
-    with factory() as session:
-        assert {j.idempotency_key for j in list_queued(session)} == {"key-1", "key-2"}
-        assert find_by_idempotency_key(session, "key-2").id == other.id
-        assert find_by_idempotency_key(session, "missing") is None
-        assert count_tracked(session) == 2
-
-
-def _race(threads: int, target) -> list[BaseException]:
-    barrier = threading.Barrier(threads)
-    errors: list[BaseException] = []
-
-    def run(index: int) -> None:
-        try:
-            barrier.wait()
-            target(index)
-        except BaseException as error:  # surfaced by the caller
-            errors.append(error)
-
-    workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(60)
-    return errors
-
-
-def test_concurrent_admissions_with_one_key_admit_one_job(factory):
-    admitted: list[str] = []
-
-    def submit(_index: int) -> None:
-        with factory.begin() as session:
-            admitted.append(admit(session, idempotency_key="same-key").id)
-
-    errors = _race(6, submit)
-    assert len(admitted) == 1
-    assert len(errors) == 5 and all(isinstance(e, IdempotencyKeyTaken) for e in errors), errors
-    with factory() as session:
-        assert count_tracked(session) == 1
-        assert find_by_idempotency_key(session, "same-key").id == admitted[0]
-
-
-def test_concurrent_admissions_get_distinct_queue_positions(factory):
-    def submit(_index: int) -> None:
-        with factory.begin() as session:
-            admit(session)
-
-    assert _race(10, submit) == []
-    with factory() as session:
-        queued = list_queued(session)
-        assert len(queued) == 10 and len({j.queue_seq for j in queued}) == 10
-        assert sorted(queue_positions(session).values()) == list(range(1, 11))
-
-
-def test_jobs_without_idempotency_key_do_not_collide(factory):
-    with factory.begin() as session:
-        admit(session)
-        admit(session)
-    with factory() as session:
-        assert count_queued(session) == 2
-
-
-def test_timestamps_are_aware_utc_and_naive_ones_are_refused(factory):
-    with factory.begin() as session:
-        eastern = timezone(timedelta(hours=-5))
-        job = admit(session, submitted_at=datetime(2026, 1, 2, 7, 0, tzinfo=eastern))
-    with factory() as session:
-        assert get_job(session, job.id).submitted_at == datetime(2026, 1, 2, 12, 0, tzinfo=UTC)
-    with pytest.raises(exc.StatementError, match="naive datetime"), factory.begin() as session:
-        admit(session, submitted_at=datetime(2026, 1, 2, 12, 0))
-
 
 # --- claim -------------------------------------------------------------------------------------
 
@@ -208,7 +65,7 @@ def test_claim_moves_queued_to_running_once(factory):
         assert claim_job(session, "no-such-job", "worker-b", lease_seconds=60) is None
     with factory() as session:
         assert get_job(session, job.id).worker_id == "worker-a"
-    assert _events(factory, job.id) == [states.EVENT_QUEUED, states.EVENT_STARTED]
+    assert event_kinds(factory, job.id) == [states.EVENT_QUEUED, states.EVENT_STARTED]
 
 
 def test_claim_is_exactly_once_under_concurrency(factory):
@@ -238,7 +95,7 @@ def test_claim_is_exactly_once_under_concurrency(factory):
     with factory() as session:
         stored = get_job(session, job.id)
         assert stored.worker_id == winners[0] and stored.attempts == 1
-    assert _events(factory, job.id).count(states.EVENT_STARTED) == 1
+    assert event_kinds(factory, job.id).count(states.EVENT_STARTED) == 1
 
 
 def test_many_workers_claim_every_job_exactly_once(factory):
@@ -328,7 +185,7 @@ def test_finish_guards(factory):
     with factory.begin() as session, pytest.raises(InvalidTransition) as caught:
         finish_job(session, "no-such-job", states.COMPLETED)
     assert caught.value.state is None
-    assert _events(factory, job.id)[-1] == states.EVENT_COMPLETED
+    assert event_kinds(factory, job.id)[-1] == states.EVENT_COMPLETED
 
 
 def test_finish_failed_records_reason_and_error(factory):
@@ -358,7 +215,7 @@ def test_cancel_queued_job_fails_it_immediately(factory):
         assert stored.state == states.FAILED and stored.failure_reason == states.REASON_CANCELLED
         assert stored.finished_at is not None and stored.cancel_requested
         assert count_queued(session) == 0
-    assert _events(factory, job.id) == [states.EVENT_QUEUED, states.EVENT_CANCELLED]
+    assert event_kinds(factory, job.id) == [states.EVENT_QUEUED, states.EVENT_CANCELLED]
 
 
 def test_cancel_running_job_sets_the_flag(factory):
@@ -392,7 +249,7 @@ def test_cancel_running_job_sets_the_flag(factory):
         finish_job(
             session, job.id, states.FAILED, worker_id="worker-a", failure_reason=states.REASON_CANCELLED
         )
-    kinds = _events(factory, job.id)
+    kinds = event_kinds(factory, job.id)
     assert kinds.count(states.EVENT_CANCEL_REQUESTED) == 2 and kinds[-1] == states.EVENT_CANCELLED
 
 
@@ -488,27 +345,43 @@ def test_cancel_racing_the_finish_answers_not_cancellable(engine, factory):
         assert get_job(session, job.id).cancel_requested is False
 
 
-# --- queue, delete -----------------------------------------------------------------------------
+# --- steps --------------------------------------------------------------------------
 
 
-def test_fifo_positions_follow_admission_order(factory):
+def test_record_step_writes_the_curve_and_the_progress(factory):
+    job = running_job(factory, total_steps=4)
     with factory.begin() as session:
-        a, b, c, d = (admit(session) for _ in range(4))
-    with factory.begin() as session:
-        claim_job(session, b.id, "w", 60)
-        request_cancel(session, c.id)
+        run_steps(session, job, "worker-a", [2.0, 1.5, 1.25], epoch=1, step_ms=80.0, tokens=64)
     with factory() as session:
-        assert queue_positions(session) == {a.id: 1, d.id: 2}
-        assert [j.id for j in list_queued(session)] == [a.id, d.id]
-        assert queue_position(session, a.id) == 1
-        assert queue_position(session, d.id) == 2
-        assert queue_position(session, b.id) is None
-        assert count_queued(session) == 2 and count_tracked(session) == 4
+        curve = loss_history(session, job.id)
+        assert [(s.global_step, s.loss, s.epoch, s.tokens, s.step_ms) for s in curve] == [
+            (1, 2.0, 1, 64, 80.0),
+            (2, 1.5, 1, 64, 80.0),
+            (3, 1.25, 1, 64, 80.0),
+        ]
+        stored = get_job(session, job.id)
+        assert (stored.global_step, stored.current_epoch, stored.current_loss) == (3, 1, 1.25)
+        assert stored.progress == 0.75
+        assert stored.heartbeat_at >= job.heartbeat_at
+
+
+def test_record_step_refuses_duplicates_and_strangers(factory):
+    job = running_job(factory)
     with factory.begin() as session:
-        e = admit(session)
-        claim_job(session, a.id, "w2", 60)
+        run_steps(session, job, "worker-a", [1.0])
+    with pytest.raises(exc.IntegrityError), factory.begin() as session:
+        run_steps(session, job, "worker-a", [1.0])
+    with factory.begin() as session, pytest.raises(LeaseLost):
+        run_steps(session, job, "worker-b", [1.0])
+    with factory.begin() as session:
+        queued = admit(session)
+    with factory.begin() as session, pytest.raises(LeaseLost):
+        run_steps(session, queued, "worker-a", [1.0])
     with factory() as session:
-        assert queue_positions(session) == {d.id: 1, e.id: 2}
+        assert len(loss_history(session, job.id)) == 1 and loss_history(session, queued.id) == []
+
+
+# --- delete ------------------------------------------------------------------------------------
 
 
 def test_delete_only_terminal_jobs_and_keep_history(factory):
@@ -530,3 +403,40 @@ def test_delete_only_terminal_jobs_and_keep_history(factory):
         assert caught.value.code == TRAINING_JOB_NOT_FOUND
         rows = session.scalars(select(JobEvent.kind).where(JobEvent.job_id == job.id)).all()
         assert rows[-1] == states.EVENT_DELETED
+
+
+@pytest.fixture(params=BACKENDS)
+def fresh_factory(request, tmp_path):
+    with migrated_database(request.param, tmp_path) as url:
+        engine = make_engine(url)
+        yield session_factory(engine)
+        engine.dispose()
+
+
+def test_two_deletes_of_one_finished_job_one_wins_the_other_is_not_found(fresh_factory):
+    with fresh_factory.begin() as s:
+        job_id = admit(s).id
+        assert claim_job(s, job_id, "w-1", 60) is not None
+        finish_job(s, job_id, states.COMPLETED, worker_id="w-1")
+    outcomes: list[str] = []
+
+    def second_delete() -> None:
+        try:
+            with fresh_factory.begin() as s:
+                delete_job(s, job_id)
+            outcomes.append("deleted")
+        except KilnError as exc:
+            outcomes.append(exc.code)
+        except Exception as exc:  # noqa: BLE001 - the probe records what escaped
+            outcomes.append(type(exc).__name__)
+
+    with fresh_factory.begin() as first:
+        delete_job(first, job_id)
+        loser = threading.Thread(target=second_delete)
+        loser.start()
+        loser.join(1.0)  # it read the job as not deleted (Postgres) or waits for the lock (SQLite)
+    loser.join(30)
+    assert outcomes == [TRAINING_JOB_NOT_FOUND]
+    with fresh_factory() as s:
+        events, _ = list_events(s, job_id, None, 1000)
+    assert [e.kind for e in events].count(states.EVENT_DELETED) == 1

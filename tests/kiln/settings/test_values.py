@@ -1,4 +1,5 @@
-"""Probe: configuration values that used to be coerced, ignored or accepted until something broke.
+"""Configuration values are checked at load: of the wrong type, out of range, blank, malformed or
+misspelt, they are refused, never coerced, ignored or accepted until something breaks.
 
 Each case stops start-up (`kiln config show`, `kiln serve`, `kiln worker`: exit 2, one line naming
 the setting and the reason, no traceback) or, for KILN_ variables that are clearly not settings, is
