@@ -427,7 +427,7 @@ def test_two_deletes_of_one_finished_job_one_wins_the_other_is_not_found(fresh_f
             outcomes.append("deleted")
         except KilnError as exc:
             outcomes.append(exc.code)
-        except Exception as exc:  # noqa: BLE001 - the probe records what escaped
+        except Exception as exc:  # noqa: BLE001 - the test records what escaped
             outcomes.append(type(exc).__name__)
 
     with fresh_factory.begin() as first:

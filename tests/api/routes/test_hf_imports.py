@@ -21,7 +21,7 @@ from sqlalchemy import update
 
 from kiln.store import Runner, register_adapter
 from tests.api.conftest import REDIS_URL, RUNNER_ID, sft_body, snapshot
-from tests.api.test_hf_exports import export_body
+from tests.api.hf_support import export_body
 from tests.kiln_train.interop.support import fake_run_output, read_json, rewrite_result, tar_gz, write_json
 
 GZIP = {"Content-Type": "application/gzip"}

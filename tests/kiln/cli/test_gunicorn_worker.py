@@ -1,8 +1,8 @@
 """The front door as `kiln serve` (gunicorn) runs it, over raw sockets: what the Flask test client
-cannot send or never sees. A chunked body over `server.max_request_mb` (it was cut at the limit
-and the prefix admitted), broken chunked framing, gunicorn's own 400/414/431 answers (HTML
-before), and a submission beyond the admission slot (its 503 must arrive whole, not as a reset
-under a client still sending its body)."""
+cannot send or never sees. A chunked body over `server.max_request_mb` (a 413, never a prefix
+admitted), broken chunked framing, gunicorn's own 400/414/431 answers (in the api's envelope, not
+HTML), and a submission beyond the admission slot (its 503 arrives whole, not as a reset under a
+client still sending its body)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Probe: the list views answer from one read. A worker claiming a job between two statements of
+"""The list views answer from one read. A worker claiming a job between two statements of
 GET /v1/train/status or GET /v1/train/queue (Postgres reads each statement afresh) must not
 leave a queued job without a position, a gap in the positions, or a job missing from the queue
 view. The claim is a real committed write on another connection, made while the route runs."""
@@ -27,7 +27,7 @@ def claim_after_first_job_read(sessions, job_id: str, dialect: str):
         fired.append(True)
         if dialect == "postgresql":
             with sessions.begin() as s:
-                assert claim_job(s, job_id, "w-probe", 60) is not None
+                assert claim_job(s, job_id, "w-claimer", 60) is not None
 
     event.listen(Engine, "after_cursor_execute", after)
     try:

@@ -1,8 +1,9 @@
-"""The served OpenAPI document against what the server does (found by schemathesis):
+"""The served OpenAPI document against what the server does:
 
-- path parameters and query integers carried no constraints, so schema-valid requests got 400;
-- raw JSON files (`/receipt`, `/openapi.json`) were documented as binary strings;
-- the request body allowed what the validators always refuse (no transport, `dataset`,
+- path parameters and query integers carry the constraints the server enforces, so a
+  schema-valid request is never a 400;
+- raw JSON files (`/receipt`, `/openapi.json`) are documented as objects;
+- the request body forbids what the validators always refuse (no transport, `dataset`,
   `post_eval`, `train_mtp: true`, out-of-range optimizer values, ...).
 
 Each constraint in the document is held to the server at its edges: just inside is accepted,
@@ -22,6 +23,7 @@ from kiln.store import register_adapter
 from kiln_train.errors import KilnError
 from kiln_train.sft_config import U64_MAX, parse_sft_request
 from tests.api.conftest import example, sft_body, snapshot
+from tests.api.openapi_support import matches
 
 
 def _doc(client) -> dict:
@@ -33,20 +35,6 @@ def _doc(client) -> dict:
 def _parameter(doc: dict, path: str, method: str, name: str) -> dict:
     (param,) = [p for p in doc["paths"][path][method]["parameters"] if p["name"] == name]
     return param["schema"]
-
-
-def _matches(schema: dict, value: str) -> bool:
-    """The string keywords the document uses (pattern, min/maxLength, enum, not/anyOf)."""
-    # ECMA-262 `$` is the end of input; Python's also matches before a final newline.
-    if "pattern" in schema and not re.search(schema["pattern"].replace("$", r"\Z"), value):
-        return False
-    if len(value) < schema.get("minLength", 0) or len(value) > schema.get("maxLength", math.inf):
-        return False
-    if "enum" in schema and value not in schema["enum"]:
-        return False
-    if "anyOf" in schema and not any(_matches(s, value) for s in schema["anyOf"]):
-        return False
-    return not ("not" in schema and _matches(schema["not"], value))
 
 
 ADAPTER_NAMES = [
@@ -89,7 +77,7 @@ def test_adapter_name_parameter_is_what_the_routes_accept(
         ("/v1/adapters/{name}/receipt", "get"),
     ]:
         schema = _parameter(doc, path, method, "name")
-        assert _matches(schema, name) == _is_adapter_name(name), (path, name)
+        assert matches(schema, name) == _is_adapter_name(name), (path, name)
     if name in (".", ".."):
         return  # a client resolves dot segments before sending; check_adapter_name covers them
     before = snapshot(engine, broker, storage)
@@ -230,13 +218,13 @@ def test_request_string_patterns_match_the_validators(client):
         "x-checkpoint-step-00000001",
         "a b",
     ]:
-        assert _matches(name, value) == _accepted(_with(output_name=value)), value
+        assert matches(name, value) == _accepted(_with(output_name=value)), value
     (prompt,) = [s for s in config["adapter_smoke_prompts"]["anyOf"] if s.get("type") == "array"]
     for value in ["hi", " x ", " ", "", "\t\n"]:
         body = _with(adapter_smoke_test=True, adapter_smoke_prompts=[value])
-        assert _matches(prompt["items"], value) == _accepted(body), repr(value)
+        assert matches(prompt["items"], value) == _accepted(body), repr(value)
     # NUL is refused by the body reader (api.http.unstorable_value), before the validators
-    assert not _matches(prompt["items"], "a\u0000")
+    assert not matches(prompt["items"], "a\u0000")
     response = client.post(
         "/v1/train/sft", json=_with(adapter_smoke_test=True, adapter_smoke_prompts=["a\u0000"])
     )
@@ -303,7 +291,7 @@ def test_idempotency_key_header_is_what_admission_accepts(key, client, engine, b
         valid = True
     except KilnError:
         valid = False
-    assert _matches(schema, key) == valid, repr(key)
+    assert matches(schema, key) == valid, repr(key)
     if valid:
         return
     before = snapshot(engine, broker, storage)

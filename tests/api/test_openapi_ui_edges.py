@@ -1,4 +1,4 @@
-"""The routes the browser UI brought (datasets, inspector, preflight, checkpoints, the UI's files)
+"""The routes of the browser UI (datasets, inspector, preflight, checkpoints, the UI's files)
 held to what the OpenAPI document says about them, at the edges: what it allows is accepted,
 what it forbids is the envelope with the contract's status, and a refusal leaves nothing behind.
 """
@@ -14,7 +14,7 @@ from api.datasets import check_dataset_name
 from api.routes.adapters import check_adapter_name
 from kiln_train.errors import KilnError
 from tests.api.conftest import example, snapshot
-from tests.api.test_probe_fuzz_openapi import _matches
+from tests.api.openapi_support import matches
 
 NDJSON = {"Content-Type": "application/x-ndjson"}
 ROWS = (json.dumps(example(0)) + "\n").encode()
@@ -108,8 +108,8 @@ def test_dataset_names_the_document_allows_are_the_ones_the_routes_accept(
         ("/v1/datasets/{dataset}", "delete"),
         ("/v1/datasets/{dataset}/inspect", "get"),
     ]:
-        assert _matches(_param(doc, path, method, "dataset")["schema"], name) == accepted, (path, name)
-    assert _matches(_param(doc, "/v1/datasets", "post", "name")["schema"], name) == accepted
+        assert matches(_param(doc, path, method, "dataset")["schema"], name) == accepted, (path, name)
+    assert matches(_param(doc, "/v1/datasets", "post", "name")["schema"], name) == accepted
     before = snapshot(engine, broker, storage)
     if name != "..":  # a client resolves dot segments before sending
         response = client.get(f"/v1/datasets/{quote(name, safe='')}")
@@ -158,7 +158,7 @@ def test_the_checkpoints_adapter_filter_is_what_the_route_accepts(adapter, clien
     assert response.status_code == (200 if accepted else 400), adapter
     if accepted:
         assert response.get_json() == {"checkpoints": []}
-        assert _matches(schema, adapter)
+        assert matches(schema, adapter)
     else:
         assert _envelope(response)["code"] == "invalid_adapter_name"
 

@@ -5,55 +5,17 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import tarfile
 
 import pytest
 
-from kiln.store import register_adapter
+from tests.api.registry_support import publish_adapter
 from tests.kiln.store.store_support import admit
-
-FILES = {
-    "adapter_config.json": b'{"r": 4}\n',
-    "train_receipt.json": b'{"schema": "kiln.train-receipt", "final_loss": 0.5}\n',
-    "adapter_manifest.json": b'{"schema_version": 1, "adapter_name": "NAME"}\n',
-}
-
-
-def _publish(
-    sessions, settings, name: str, *, checkpoints=(2, 4), manifest=True, big=3 << 20
-) -> dict[str, bytes]:
-    root = settings.adapters_dir / name
-    root.mkdir(parents=True)
-    files = {
-        k: v.replace(b"NAME", name.encode())
-        for k, v in FILES.items()
-        if manifest or k != "adapter_manifest.json"
-    }
-    files["adapter_model.safetensors"] = os.urandom(big)  # several archive chunks
-    for rel, data in files.items():
-        (root / rel).write_bytes(data)
-    for step in checkpoints:
-        ck = settings.adapters_dir / f"{name}-checkpoint-step-{step:08d}.kiln-checkpoint"
-        ck.mkdir()
-        (ck / "manifest.json").write_text("{}")
-    with sessions.begin() as session:
-        register_adapter(
-            session,
-            name=name,
-            job_id=None,
-            path=str(root),
-            size_bytes=sum(len(v) for v in files.values()),
-            safetensors_sha256="sha256:" + "ab" * 32,
-            rank=4,
-            alpha=8.0,
-        )
-    return files
 
 
 def test_list_adapters(client, sessions, settings):
-    _publish(sessions, settings, "alpha")
-    _publish(sessions, settings, "beta", checkpoints=(), manifest=False, big=10)
+    publish_adapter(sessions, settings, "alpha")
+    publish_adapter(sessions, settings, "beta", checkpoints=(), manifest=False, big=10)
     body = client.get("/v1/adapters").get_json()
     by_name = {a["name"]: a for a in body["adapters"]}
     assert set(by_name) == {"alpha", "beta"}
@@ -70,7 +32,7 @@ def test_list_adapters(client, sessions, settings):
 
 
 def test_download_streams_a_gzip_tar_of_the_adapter_directory(client, sessions, settings):
-    files = _publish(sessions, settings, "alpha")
+    files = publish_adapter(sessions, settings, "alpha")
     response = client.get("/v1/adapters/alpha/download")
     assert response.status_code == 200
     assert response.mimetype == "application/gzip"
@@ -81,7 +43,7 @@ def test_download_streams_a_gzip_tar_of_the_adapter_directory(client, sessions, 
 
 
 def test_receipt(client, sessions, settings):
-    _publish(sessions, settings, "alpha")
+    publish_adapter(sessions, settings, "alpha")
     response = client.get("/v1/adapters/alpha/receipt")
     assert response.status_code == 200
     assert response.get_json() == {"schema": "kiln.train-receipt", "final_loss": 0.5}
@@ -91,7 +53,7 @@ def test_receipt(client, sessions, settings):
 
 
 def test_a_receipt_that_is_not_strict_json_is_an_explained_error(client, sessions, settings):
-    _publish(sessions, settings, "beta")
+    publish_adapter(sessions, settings, "beta")
     (settings.adapters_dir / "beta" / "train_receipt.json").write_text(
         '{"final_loss": NaN}', encoding="utf-8"
     )
@@ -102,8 +64,8 @@ def test_a_receipt_that_is_not_strict_json_is_an_explained_error(client, session
 
 
 def test_delete_removes_the_adapter_and_its_checkpoints_only(client, sessions, settings):
-    _publish(sessions, settings, "alpha")
-    _publish(sessions, settings, "alpha-2", big=10)  # a name that shares the prefix
+    publish_adapter(sessions, settings, "alpha")
+    publish_adapter(sessions, settings, "alpha-2", big=10)  # a name that shares the prefix
     response = client.delete("/v1/adapters/alpha")
     assert response.status_code == 200
     assert response.get_json() == {
@@ -127,7 +89,7 @@ def test_delete_removes_the_adapter_and_its_checkpoints_only(client, sessions, s
 
 
 def test_delete_while_a_job_targets_the_adapter_is_409(client, sessions, settings):
-    _publish(sessions, settings, "alpha", big=10)
+    publish_adapter(sessions, settings, "alpha", big=10)
     with sessions.begin() as session:
         admit(session, adapter_name="alpha")  # a queued job that will write "alpha"
     response = client.delete("/v1/adapters/alpha")

@@ -20,11 +20,15 @@ from kiln import store
 from kiln.store import states
 from kiln.store.models import Job, Runner
 from tests.api.conftest import sft_body, unique_name
-from tests.worker.test_runtime import event_kinds, job_row, steps, submit
-
-
-class Killed(BaseException):
-    """Stands in for SIGKILL at an exact point: nothing in the worker may catch it."""
+from tests.worker.runtime_support import (
+    Killed,
+    checkpoint_names,
+    event_kinds,
+    expire_lease,
+    job_row,
+    steps,
+    submit,
+)
 
 
 class FlakyStore:
@@ -65,17 +69,6 @@ def flaky(runtime) -> FlakyStore:
     return runtime.factory
 
 
-def checkpoint_names(settings, name: str) -> list[str]:
-    return sorted(p.name for p in settings.adapters_dir.glob(f"{name}-checkpoint-step-*"))
-
-
-def expire_lease(sessions, job_id: str) -> None:
-    with sessions.begin() as s:
-        s.execute(
-            update(Job).where(Job.id == job_id).values(lease_expires_at=store.utcnow() - timedelta(seconds=1))
-        )
-
-
 def test_unusable_output_root_fails_the_job_instead_of_leaving_it_running(
     client, runtime, sessions, settings
 ):
@@ -102,8 +95,8 @@ def test_unusable_output_root_fails_the_job_instead_of_leaving_it_running(
 
 
 def test_a_brief_store_outage_while_recording_progress_is_ridden_out(client, runtime, sessions, flaky):
-    """One failed progress write used to fail the whole job; a write whose commit went through
-    but whose answer was lost must not be written twice either."""
+    """One failed progress write does not fail the job; a write whose commit went through but
+    whose answer was lost is not written twice either."""
     job_id = submit(client, sft_body(2, epochs=2, output_name=unique_name("blip")))
     original = runtime._on_step
 
@@ -123,9 +116,9 @@ def test_a_brief_store_outage_while_recording_progress_is_ridden_out(client, run
 
 
 def test_a_long_store_outage_mid_run_leaves_the_job_to_be_resumed(client, runtime, sessions, flaky):
-    """Progress could not be recorded through all retries: the job used to end `failed` with
-    the OperationalError as a training error; it is now left running for the reconciler, which
-    resumes it from its newest checkpoint once the lease has run out."""
+    """Progress could not be recorded through all retries: the job does not end `failed` with the
+    OperationalError as a training error; it is left running for the reconciler, which resumes it
+    from its newest checkpoint once the lease has run out."""
     name = unique_name("outage")
     job_id = submit(client, sft_body(3, epochs=1, checkpoint_interval=1, output_name=name))
     original = runtime._on_step
@@ -150,8 +143,8 @@ def test_a_long_store_outage_mid_run_leaves_the_job_to_be_resumed(client, runtim
 
 
 def test_store_down_at_dequeue_rings_the_doorbell_again(client, runtime, sessions, broker, flaky):
-    """The task used to fail and be acknowledged: the published `queued` row then waited forever
-    (the reconciler only republishes rows that were never published)."""
+    """The task retries until the store answers and runs the job, rather than failing and being
+    acknowledged, which would leave the published `queued` row waiting for a doorbell."""
     from kiln.broker import TRAIN_SFT_TASK
     from worker.tasks import install_runtime
 
@@ -169,8 +162,8 @@ def test_store_down_at_dequeue_rings_the_doorbell_again(client, runtime, session
 
 
 def test_a_doorbell_during_shutdown_is_handed_back_unclaimed(client, runtime, sessions):
-    """A worker in warm shutdown used to claim the next doorbell (often the job it had just
-    released), run one step, checkpoint and release it again."""
+    """A worker in warm shutdown hands the next doorbell (often the job it has just released) back
+    to the broker unclaimed, rather than run one step, checkpoint and release it again."""
     from celery.exceptions import Reject
 
     from kiln.broker import TRAIN_SFT_TASK
@@ -419,7 +412,8 @@ def test_a_recorded_checkpoint_damaged_on_disk_is_skipped_and_rewritten_on_resum
 
 def test_killed_after_publishing_the_adapter_completes_from_it(client, runtime, sessions, settings):
     """The adapter was published under its final name, then the worker died before recording it:
-    the job used to fail `worker_lost` and leave an unregistered adapter holding the name."""
+    the reconciler completes the job from that adapter and registers it, rather than failing the
+    job `worker_lost` and leaving an unregistered adapter holding the name."""
     name = unique_name("adkill")
     job_id = submit(client, sft_body(2, epochs=1, output_name=name))
 

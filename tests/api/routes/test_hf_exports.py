@@ -16,8 +16,8 @@ from kiln.store import register_adapter
 from kiln_train.checkpoint.epoch_order import epoch_order
 from kiln_train.interop.bundle import verify_bundle
 from tests.api.conftest import example, snapshot, write_base_adapter
+from tests.api.hf_support import HF_CONFIG, export_body
 
-CONFIG = {"epochs": 2, "lora_rank": 4, "lora_alpha": 8.0, "optimizer": {"kind": "sgd"}, "seed": 9}
 BUNDLE_FILES = {
     "README.md",
     "chat_template_training.jinja",
@@ -31,10 +31,6 @@ BUNDLE_FILES = {
     "train.jsonl",
     "train.py",
 }
-
-
-def export_body(name: str = "bundle", n: int = 3, **fields) -> dict:
-    return {"name": name, "examples": [example(i) for i in range(n)], "config": dict(CONFIG), **fields}
 
 
 def test_export_list_get_download_delete(client, runner, settings):
@@ -74,7 +70,12 @@ def test_export_list_get_download_delete(client, runner, settings):
 def test_export_from_a_dataset_path_skipping_bad_rows(client, runner, settings):
     rows = [json.dumps(example(0)), "{broken", json.dumps(example(1))]
     (settings.datasets_dir / "rows.jsonl").write_text("\n".join(rows) + "\n")
-    body = {"name": "from-file", "dataset_path": "rows.jsonl", "invalid_row_policy": "skip", "config": CONFIG}
+    body = {
+        "name": "from-file",
+        "dataset_path": "rows.jsonl",
+        "invalid_row_policy": "skip",
+        "config": HF_CONFIG,
+    }
     answer = client.post("/v1/train/hf/sft/exports", json=body)
     assert answer.status_code == 201, answer.get_json()
     info = answer.get_json()
@@ -130,7 +131,7 @@ def test_an_input_adapter_is_the_starting_point(client, runner, sessions, settin
     [
         (export_body(surprise=1), 400, "training_invalid_request", "surprise: unknown field"),
         (
-            export_body(config={**CONFIG, "gradient_accumulation_steps": 4}),
+            export_body(config={**HF_CONFIG, "gradient_accumulation_steps": 4}),
             400,
             "training_invalid_request",
             "config.gradient_accumulation_steps: unknown field",
@@ -143,20 +144,20 @@ def test_an_input_adapter_is_the_starting_point(client, runner, sessions, settin
         ),
         (export_body(name="-bad"), 400, "training_invalid_request", "name"),
         (
-            export_body(config={**CONFIG, "optimizer": {"kind": "muon"}}),
+            export_body(config={**HF_CONFIG, "optimizer": {"kind": "muon"}}),
             400,
             "hf_export_unsupported",
             "config.optimizer.kind 'muon' cannot be exported",
         ),
         (
-            export_body(config={**CONFIG, "lora_alpha": 64.0}),
+            export_body(config={**HF_CONFIG, "lora_alpha": 64.0}),
             400,
             "training_invalid_request",
             "unsafe LoRA scaling",
         ),
-        (export_body(config={**CONFIG, "seed": "-1"}), 400, "training_invalid_request", "config.seed"),
+        (export_body(config={**HF_CONFIG, "seed": "-1"}), 400, "training_invalid_request", "config.seed"),
         (
-            export_body(config={**CONFIG, "learning_rate": 0.0}),
+            export_body(config={**HF_CONFIG, "learning_rate": 0.0}),
             400,
             "training_invalid_request",
             "config.learning_rate",
@@ -168,13 +169,13 @@ def test_an_input_adapter_is_the_starting_point(client, runner, sessions, settin
             "input_adapter 'absent' is not",
         ),
         (
-            {"name": "x", "examples": [{"messages": []}], "config": CONFIG},
+            {"name": "x", "examples": [{"messages": []}], "config": HF_CONFIG},
             400,
             "training_invalid_request",
             "rejected as empty_messages",
         ),
         (
-            {"name": "x", "dataset_path": "../etc/passwd", "config": CONFIG},
+            {"name": "x", "dataset_path": "../etc/passwd", "config": HF_CONFIG},
             400,
             "training_invalid_request",
             "'..' segments",
@@ -193,7 +194,7 @@ def test_refused_exports_leave_nothing(client, runner, engine, broker, storage, 
 def test_names_are_never_overwritten(client, runner, settings):
     assert client.post("/v1/train/hf/sft/exports", json=export_body()).status_code == 201
     manifest = (settings.storage_root / "hf-exports" / "bundle.kiln-hf" / "kiln_hf_export.json").read_bytes()
-    again = client.post("/v1/train/hf/sft/exports", json=export_body(config={**CONFIG, "seed": 10}))
+    again = client.post("/v1/train/hf/sft/exports", json=export_body(config={**HF_CONFIG, "seed": 10}))
     assert again.status_code == 409 and again.get_json()["error"]["code"] == "hf_export_already_exists"
     assert (
         settings.storage_root / "hf-exports" / "bundle.kiln-hf" / "kiln_hf_export.json"
@@ -277,7 +278,7 @@ def test_export_request_document_matches_the_parser(client, runner):
         ("learning_rate", lr["exclusiveMinimum"], False),
         ("learning_rate", math.nextafter(lr["exclusiveMinimum"], 1), True),
     ]:
-        body = export_body(name=f"edge-{field}-{ok}", n=1, config={**CONFIG, "epochs": 1, field: value})
+        body = export_body(name=f"edge-{field}-{ok}", n=1, config={**HF_CONFIG, "epochs": 1, field: value})
         answer = client.post("/v1/train/hf/sft/exports", json=body)
         assert (answer.status_code == 201) is ok, (field, value, answer.get_json())
         if not ok:

@@ -23,8 +23,7 @@ from kiln_train import checkpoint as ckpt
 from kiln_train.artifacts import adapter as adapter_module
 from kiln_train.checkpoint import publish as publish_module
 from tests.api.conftest import sft_body, unique_name
-from tests.worker.test_failures_runtime import checkpoint_names
-from tests.worker.test_runtime import event_kinds, job_row, steps, submit
+from tests.worker.runtime_support import checkpoint_names, event_kinds, job_row, steps, submit
 
 
 class Stall:
