@@ -328,7 +328,7 @@ def test_resume_with_a_later_checkpoint_in_the_registry_is_409(
     ],
 )
 def test_unreachable_job_database_is_503_with_retry_after(method, path, tmp_path, broker):
-    """A database that refuses connections was a 500 internal_error on every route but /health."""
+    """A database that refuses connections is a 503 with Retry-After on every route, never a 500."""
     from api import create_app
     from tests.api.conftest import make_settings
 
