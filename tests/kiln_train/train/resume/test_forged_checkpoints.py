@@ -231,7 +231,7 @@ def test_a_flipped_byte_anywhere_in_a_state_file_names_it(
 
 
 @pytest.fixture
-def validateresume_run(resident, ingestion, tmp_path):
+def validate_resume(resident, ingestion, tmp_path):
     """The trainer's own resume validation (`SftRun._load_resume`) of a checkpoint directory."""
     from kiln_train.train.identity import auxiliary_state
     from kiln_train.train.run import SftRun
@@ -253,7 +253,7 @@ def validateresume_run(resident, ingestion, tmp_path):
 
     def validate(path: Path) -> None:
         run.config, run.aux = config, dict(aux)
-        run._loadresume_run(path)
+        run._load_resume(path)
 
     return validate
 
@@ -265,7 +265,7 @@ def test_a_flipped_byte_in_the_manifest_names_it(stopped, tmp_path, validate_res
     src = ckpt_path(stopped, 6)
     copy = tmp_path / "flip" / src.name
     shutil.copytree(src, copy)
-    validateresume_run(copy)  # the unedited copy resumes
+    validate_resume(copy)  # the unedited copy resumes
     original = (src / MANIFEST).read_bytes()
     value = json.loads(original)
     unchanged = 0
@@ -282,7 +282,7 @@ def test_a_flipped_byte_in_the_manifest_names_it(stopped, tmp_path, validate_res
                 unchanged += 1
                 continue
             with pytest.raises(CheckpointError) as info:
-                validateresume_run(copy)
+                validate_resume(copy)
             message = info.value.message
             assert MANIFEST in message and src.name in message, (pos, bit, message)
     assert unchanged < 40  # created_at digits and exponent letters only
@@ -332,7 +332,7 @@ def test_every_manifest_field_edited_is_refused_naming_it(stopped, tmp_path, val
             holder[path[-1]] = other
             (copy / MANIFEST).write_text(json.dumps(edited, indent=2))
             with pytest.raises(CheckpointError) as info:
-                validateresume_run(copy)
+                validate_resume(copy)
             message = info.value.message
             named = [str(k) for k in path if isinstance(k, str) and str(k) in message]
             assert MANIFEST in message and named, (path, other, message)
