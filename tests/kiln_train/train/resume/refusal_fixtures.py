@@ -58,7 +58,7 @@ def copy_registry(src: Path, dst: Path) -> Path:
     return dst
 
 
-def refused(result, root: Path, attach_calls, *fragments, reason="training_error", before=None):
+def assert_refused(result, root: Path, attach_calls, *fragments, reason="training_error", before=None):
     """Failed before any LoRA allocation, naming `fragments`; the registry gained only a receipt."""
     assert result.status == "failed"
     assert result.failure_reason == reason, result.failure_message

@@ -27,7 +27,7 @@ from tests.kiln_train.train.resume.refusal_fixtures import (
     LOOP,
     MANIFEST,
     OPTIMIZER,
-    refused,
+    assert_refused,
     resume_run,
 )
 from tests.kiln_train.train.resume.resume_support import NAME, ckpt_path
@@ -207,7 +207,7 @@ def test_forged_tensor_files_are_refused_before_any_work(
     forged = _forge(src, tmp_path / "forged" / src.name, rel, mutate)
     root = tmp_path / "reg"
     result = resume_run(resident, ingestion, root, forged)
-    refused(result, root, attach_calls, src.name, *fragments, reason=reason)
+    assert_refused(result, root, attach_calls, src.name, *fragments, reason=reason)
 
 
 # ----- corruption -----------------------------------------------------------------------------------
@@ -227,7 +227,7 @@ def test_a_flipped_byte_anywhere_in_a_state_file_names_it(
         (copy / rel).write_bytes(bytes(data))
         root = tmp_path / f"reg-{i}"
         result = resume_run(resident, ingestion, root, copy)
-        refused(result, root, attach_calls, f"files[{rel!r}].sha256: manifest")
+        assert_refused(result, root, attach_calls, f"files[{rel!r}].sha256: manifest")
 
 
 @pytest.fixture

@@ -25,8 +25,8 @@ from tests.kiln_train.train.resume.refusal_fixtures import (
     ADAPTER,
     CONFIG,
     MANIFEST,
+    assert_refused,
     copy_registry,
-    refused,
     resume_run,
 )
 from tests.kiln_train.train.resume.resume_support import NAME, assert_same_run, ckpt_path
@@ -46,7 +46,7 @@ def test_a_later_checkpoint_refuses_the_resume_before_any_work(
     root = copy_registry(stopped, tmp_path / "reg")
     before = sorted(p.name for p in root.iterdir())
     result = resume_run(resident, ingestion, root, ckpt_path(root, 3))
-    refused(
+    assert_refused(
         result, root, attach_calls, f"'{ckpt_path(root, 6).name}'", "adapter_already_exists", before=before
     )
     # The newest one resumes, and finishes the straight run.
@@ -75,7 +75,7 @@ def test_a_stale_checkpoint_of_an_earlier_run(
     kw = {"should_stop": lambda: False} if with_stop else {}
     result = train(resident, make_config(**CONFIG), ingestion, root, adapter_name=NAME, **kw)
     if refused:
-        refused(
+        assert_refused(
             result,
             root,
             attach_calls,
@@ -100,7 +100,9 @@ def test_the_newest_of_two_checkpoints_corrupt(
     assert [c for c in discover_checkpoints(root, NAME) if c.valid][-1].path == newest
     before = sorted(p.name for p in root.iterdir())
     result = resume_run(resident, ingestion, root, newest)
-    refused(result, root, attach_calls, newest.name, "files['adapter.safetensors'].sha256", before=before)
+    assert_refused(
+        result, root, attach_calls, newest.name, "files['adapter.safetensors'].sha256", before=before
+    )
     shutil.move(newest, tmp_path / newest.name)  # the later name must be free to resume the older one
     final = resume_run(resident, ingestion, root, ckpt_path(root, 3))
     assert final.status == "success", final.failure_message
@@ -133,7 +135,7 @@ def test_a_checkpoint_of_another_model_shape(qwen_tokenizer, stopped, tmp_path, 
     ingestion = ingest(other, conversations(4, offset=80))
     root = tmp_path / "reg"
     result = resume_run(other, ingestion, root, ckpt_path(stopped, 6))
-    refused(result, root, attach_calls, ckpt_path(stopped, 6).name, "auxiliary_state.")
+    assert_refused(result, root, attach_calls, ckpt_path(stopped, 6).name, "auxiliary_state.")
 
 
 # ----- a kill during publication --------------------------------------------------------------------
