@@ -342,11 +342,12 @@ class SftRequest(BaseModel):
         return self
 
 
-def describe_validation_error(exc: ValidationError) -> str:
-    """One line per problem, naming the field path (e.g. `config.optimizer.adam_w.beta1`)."""
+def describe_validation_error(exc: ValidationError, prefix: tuple[str, ...] = ()) -> str:
+    """One line per problem, naming the field path (e.g. `config.optimizer.adam_w.beta1`);
+    `prefix` is the path of the validated object itself."""
     parts = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err.get("loc", ()))
+        loc = ".".join(str(p) for p in (*prefix, *err.get("loc", ())))
         msg = err.get("msg", "invalid")
         msg = msg.removeprefix("Value error, ")
         if err.get("type") == "extra_forbidden":
@@ -355,11 +356,13 @@ def describe_validation_error(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def parse_sft_config(obj: Any) -> SftConfig:
+def parse_sft_config(obj: Any, *, field_path: tuple[str, ...] = ()) -> SftConfig:
+    """`obj` (None: every default) as an `SftConfig`; a 400 naming each bad field, under
+    `field_path` (the library names them `config.<field>`, as the service does)."""
     try:
         return SftConfig.model_validate(obj if obj is not None else {})
     except ValidationError as exc:
-        raise invalid_request(describe_validation_error(exc)) from None
+        raise invalid_request(describe_validation_error(exc, field_path)) from None
 
 
 def parse_sft_request(obj: Any) -> SftRequest:

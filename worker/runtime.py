@@ -31,14 +31,14 @@ from kiln_train import checkpoint as ckpt
 from kiln_train.artifacts.fencing import RunIdentity, grab_leftover
 from kiln_train.errors import KilnError, OwnershipLost
 from kiln_train.model.resident import ResidentModel
-from kiln_train.plan.budget import available_budget
+from kiln_train.plan.budget import available_budget, device_memory
 from kiln_train.train.request import TrainRequest
 from kiln_train.train.result import TrainResult
 from kiln_train.train.trainer import train_sft
 from worker.fence import JobFence
 from worker.reconciler import Reconciler, unrecorded_checkpoints_beyond
 from worker.run_records import RunRecording
-from worker.runner import device_memory, heartbeat_file, runner_registration
+from worker.runner import heartbeat_file, runner_registration
 from worker.verify import PLAN_DRIFT, PLAN_DRIFT_CODE, PinnedJob, PlanDrift, pin_job, verify_plan
 
 log = logging.getLogger(__name__)
