@@ -258,6 +258,33 @@ def describe_job(detail: dict, outcome: bool) -> None:
         echo_pairs(summary)
 
 
+def describe_local_run(outcome: dict) -> None:
+    """The end of `kiln train local` (`TrainResult.to_dict()`): the adapter and its checkpoints,
+    or the failure on stderr; then the receipt summary."""
+    checkpoints = [c["basename"] for c in outcome.get("checkpoints") or []]
+    if outcome["status"] == "success":
+        click.echo(f"adapter {outcome['adapter_name']} published")
+        pairs = [("adapter path", str(outcome["adapter_path"]))]
+    else:
+        click.echo(f"run failed: {outcome.get('failure_reason') or 'unknown reason'}", err=True)
+        click.echo(f"  error: {outcome.get('failure_message') or '-'}", err=True)
+        pairs = [("failed receipt", str(outcome["receipt_path"]))]
+    if checkpoints:
+        pairs.append(("checkpoints", f"{len(checkpoints)} (latest {checkpoints[-1]})"))
+    echo_pairs(pairs)
+    summary = receipt_summary(
+        {
+            "train_receipt": outcome.get("receipt"),
+            "current_loss": outcome.get("final_loss"),
+            "global_step": outcome.get("global_step"),
+            "total_steps": outcome.get("total_steps"),
+        }
+    )
+    if summary:
+        click.echo("receipt:")
+        echo_pairs(summary)
+
+
 def job_pairs(detail: dict) -> list[tuple[str, str]]:
     # The detail's own `epoch` is the trainer's 0-based epoch index; show the 1-based count.
     data = detail.get("training_data") or {}
