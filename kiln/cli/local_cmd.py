@@ -82,15 +82,12 @@ def train_local(
 ) -> None:
     """Train a native SFT adapter here, with no server: the checks of a submission, then the
     run, then the adapter, its receipt and checkpoints in --output."""
-    if not click.get_current_context().find_root().params.get("verbose"):
-        # The run's own INFO lines (each checkpoint published) would break the progress line.
-        logging.getLogger("kiln_train").setLevel(logging.WARNING)
     body = sft_config(options)
     if adapter_smoke_prompts_file is not None:
         body["adapter_smoke_prompts"] = read_smoke_prompts(adapter_smoke_prompts_file)
     try:
         config = parse_sft_config(body, field_path=("config",))  # before torch loads
-        with stop_on_interrupt() as stop:
+        with stop_on_interrupt() as stop, quiet_library():
             outcome = run_local(model_dir, data, config, output_dir, device, stop)
     except KilnError as exc:
         report_refusal(exc, row_notes(exc.message, row_lines(data), data))
@@ -172,6 +169,20 @@ def stop_on_interrupt() -> Iterator[StopRequest]:
         yield stop
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@contextmanager
+def quiet_library() -> Iterator[None]:
+    """The library's INFO lines (each checkpoint published) would break the progress line; they
+    show with `kiln -v`."""
+    logger = logging.getLogger("kiln_train")
+    before = logger.level
+    if not click.get_current_context().find_root().params.get("verbose"):
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
 
 
 def report_refusal(exc: KilnError, notes: list[str]) -> None:

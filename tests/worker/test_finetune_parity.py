@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from kiln_train import finetune
 from tests.api.conftest import sft_body, unique_name
 from tests.kiln_train.train.test_resume_probe_support import VOLATILE_RECEIPT, json_diff
@@ -26,6 +28,7 @@ def read_json(path: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+@pytest.mark.slow
 def test_finetune_publishes_what_a_service_job_publishes(client, runtime, settings, resident, tmp_path):
     name = unique_name("parity")
     config = {"epochs": 2, "checkpoint_interval": 2, "output_name": name, "seed": 11}
