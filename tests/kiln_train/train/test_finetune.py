@@ -228,3 +228,14 @@ def test_a_stopped_run_resumes_to_the_adapter_of_a_straight_run(tmp_path, reside
     assert resumed.loss_history == straight.loss_history
     name = "adapter_model.safetensors"
     assert (resumed.adapter_path / name).read_bytes() == (straight.adapter_path / name).read_bytes()
+
+
+def test_a_model_it_loads_has_the_execution_identity_of_a_default_worker(tiny_dir):
+    from kiln_train.model.resident import load_resident
+    from kiln_train.train.finetune import _load
+
+    worker = load_resident(
+        tiny_dir, device="cpu", server_config={"memory": Settings().memory.model_dump(mode="json")}
+    )
+    library = _load(tiny_dir, "cpu", {"reserve_gb": DEFAULT_RESERVE_GB, "training_memory_gb": None})
+    assert library.execution_identity_digest == worker.execution_identity_digest
