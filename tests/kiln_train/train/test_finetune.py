@@ -11,6 +11,8 @@ import io
 import json
 import math
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -239,3 +241,12 @@ def test_a_model_it_loads_has_the_execution_identity_of_a_default_worker(tiny_di
     )
     library = _load(tiny_dir, "cpu", {"reserve_gb": DEFAULT_RESERVE_GB, "training_memory_gb": None})
     assert library.execution_identity_digest == worker.execution_identity_digest
+
+
+def test_the_planning_it_shares_with_the_api_does_not_import_torch():
+    code = (
+        "import sys, kiln_train, kiln_train.plan.run_plan, kiln_train.plan.gates, kiln_train.plan.names, "
+        "kiln_train.plan.resume_point; assert 'finetune' in kiln_train.__all__; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
