@@ -1,4 +1,4 @@
-"""SFT admission: `POST /v1/train/sft` from body to queued job (kiln-contract §1.5, DESIGN.md §1).
+"""SFT admission: `POST /v1/train/sft` from body to queued job (docs/ARCHITECTURE.md#the-path-of-one-job).
 
 Order: (1) validate the request; (2) Idempotency-Key replay or 422; (3) queue limits; (4) the
 live runner; (5) static gates and the output name; (6) resume checkpoint; (7) defaults (learning

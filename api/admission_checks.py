@@ -87,7 +87,7 @@ def check_dataset_path_length(request: SftRequest) -> None:
 
 def check_output_name_fits(name: str, total_steps: int) -> None:
     """Every name derived from the adapter's must fit one path segment: the longest is the hidden
-    staging directory of its last checkpoint (kiln-contract §5.5)."""
+    staging directory of its last checkpoint (docs/checkpoints.md#publication)."""
     longest = staging_dir_name(checkpoint_dir_name(name, max(total_steps, 1)))
     if len(longest.encode("utf-8")) > NAME_MAX_BYTES:
         overhead = len(longest) - len(name)
@@ -102,7 +102,7 @@ def check_base_adapter(config: SftConfig, adapters_dir: Path, model: Qwen35Confi
     """A warm start needs a base adapter in the registry that fits the resident model, the run's
     rank and alpha (adapter_config.json and the safetensors header; no tensor is read). The
     trainer re-checks everything, values and provenance included, at dequeue. A resume ignores
-    `base_adapter` (kiln-contract §5), so it is not checked then."""
+    `base_adapter` (docs/checkpoints.md#resume), so it is not checked then."""
     name = config.base_adapter
     if name is None or config.resume_checkpoint is not None:
         return

@@ -1,4 +1,4 @@
-"""Resume admission (kiln-contract §1.5 step 3, §5.7): the named `.kiln-checkpoint` is fully
+"""Resume admission (docs/checkpoints.md#resume): the named `.kiln-checkpoint` is fully
 validated (file set, sizes, SHA-256), the run's seed is the checkpoint's, and everything the
 request leaves open is taken from the checkpoint so the resumed run is the same run.
 

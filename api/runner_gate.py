@@ -1,4 +1,6 @@
-"""The live runner as admission sees it, and the cheap static gates (kiln-contract §1.5 step 2).
+"""The live runner as admission sees it, and the cheap static gates.
+
+docs/ARCHITECTURE.md#the-path-of-one-job, steps 5 and 6.
 
 Admission never guesses what the worker holds: backend, device, dtypes, loss route, model shape
 and tokenizer all come from the runner's row in `runners`. A row the api cannot interpret

@@ -1,14 +1,17 @@
-"""Oracle for Kiln's Qwen3.5 SFT rendering, token ids and assistant-only labels (seed 002).
+"""Oracle for Kiln's Qwen3.5 SFT rendering, token ids and assistant-only labels.
+
+docs/tokenization.md#oracle-fixtures.
 
 The reference is the real stack: Transformers `apply_chat_template(..., tokenize=True,
 return_dict=True, return_assistant_tokens_mask=True)` running TRL's bundled
 `qwen3_5_think_training.jinja` over Kiln's own tokenizer.json (built by
 `kiln_train.data.tokenizer.write_tokenizer`, loaded as `PreTrainedTokenizerFast(tokenizer_file=...)`
-so `ignore_merges` stays True, qwen35.md §7.3). Labels are `input_ids` where the mask is 1,
+so `ignore_merges` stays True, docs/tokenization.md#tokenizer). Labels are `input_ids` where the mask is 1,
 else -100.
 
 The oracle receives each row the way Kiln's contract describes the conversion: OpenAI-shaped
-messages with `function.arguments` JSON strings parsed into objects (seed 002); everything else
+messages with `function.arguments` JSON strings parsed into objects
+(docs/tokenization.md#tool-calls); everything else
 (null content, content-part arrays, the `function` wrapper, tool names/ids) is passed unchanged, so
 Transformers/TRL do their own joining and unwrapping.
 
@@ -422,7 +425,10 @@ def random_rows(seed: int, n: int) -> list[dict]:
 
 
 def oracle_input(row: dict) -> tuple[list[dict], list[dict] | None]:
-    """Seed 002's conversion: OpenAI `function.arguments` strings parsed into objects; nothing else."""
+    """Kiln's conversion: OpenAI `function.arguments` strings parsed into objects; nothing else.
+
+    docs/tokenization.md#tool-calls.
+    """
     messages = copy.deepcopy(row["messages"])
     for m in messages:
         for call in m.get("tool_calls") or []:
@@ -1630,7 +1636,7 @@ def main() -> int:
         tokenizer_json, _ = write_tokenizer(tmp, tokenizer)
         hf_tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json))
         if not hf_tokenizer.backend_tokenizer.model.ignore_merges:
-            raise SystemExit("the oracle tokenizer lost ignore_merges; see qwen35.md §7.3")
+            raise SystemExit("the oracle tokenizer lost ignore_merges; see docs/tokenization.md#tokenizer")
         if args.check:
             return check(hf_tokenizer, tokenizer, tokenizer_json)
         fixture = build_fixture(hf_tokenizer, tokenizer_json)

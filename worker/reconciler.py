@@ -1,4 +1,4 @@
-"""The reconciler: nothing admitted is ever lost (DESIGN §1, peers.md §3.4).
+"""The reconciler: nothing admitted is ever lost (docs/recovery.md#reconciler).
 
 At worker start and periodically:
 - a job committed but never published (the api died between commit and publish, or the broker

@@ -1,4 +1,6 @@
-"""The resident worker runtime: claim, re-verify, reserve, train, record (DESIGN §1).
+"""The resident worker runtime: claim, re-verify, reserve, train, record.
+
+docs/ARCHITECTURE.md#the-path-of-one-job, steps 12 to 18.
 
 One process holds the base model resident between jobs. A message is only a doorbell: the job
 row decides. A redelivered message whose row is not `queued` is dropped; a claim is one

@@ -1,6 +1,6 @@
 """The job store shared by the api and the worker (SQLAlchemy 2 only: no Flask, Celery or torch).
 
-DESIGN.md §1 and §5. Functions take a `Session` and never commit; the caller owns the
+docs/ARCHITECTURE.md#job-store. Functions take a `Session` and never commit; the caller owns the
 transaction (`with factory.begin() as session: ...`). Production creates the schema with
 `upgrade_database(url)` (Alembic), never with `create_all_for_tests`.
 """

@@ -1,4 +1,4 @@
-"""What the reconciler asks of the store (DESIGN.md §1, peers.md §3.4).
+"""What the reconciler asks of the store (docs/recovery.md#reconciler).
 
 Two kinds of stray jobs: committed but never published (the api died between commit and
 publish), and running with an expired lease (the worker died). The first are republished;

@@ -1,4 +1,6 @@
-"""Deterministic per-epoch data order, algorithm `kiln-py.epoch-order.v1` (kiln-contract §5.4).
+"""Deterministic per-epoch data order, algorithm `kiln-py.epoch-order.v1`.
+
+docs/training-profile.md#data-order.
 
 The original Kiln (`kiln.epoch-order.v1`) shuffles with Rust's ChaCha12 `StdRng`, which this
 project does not reproduce, so it records its own algorithm name in every checkpoint instead:
