@@ -56,5 +56,5 @@ def make_broker_client(settings: Settings) -> Celery:
 
 
 def publish_job(app: Celery, job_id: str, queue: str) -> None:
-    """Ring the doorbell for a committed job (task_id = job_id, so duplicates are visible)."""
+    """Publish the queue message of a committed job (task_id = job_id, so duplicates are visible)."""
     app.send_task(TRAIN_SFT_TASK, args=[job_id], task_id=job_id, queue=queue)

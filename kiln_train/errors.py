@@ -88,7 +88,7 @@ FAILURE_REASONS = (
     "unsafe_lora_scale",
     "base_adapter_missing",
     "training_error",
-    # beyond the original: the service's own terminal reasons
+    # beyond the Rust implementation's reasons: the service's own terminal reasons
     "worker_lost",
     "plan_drift",
 )

@@ -2,7 +2,7 @@
 
 docs/training-profile.md#data-order.
 
-The original Kiln (`kiln.epoch-order.v1`) shuffles with Rust's ChaCha12 `StdRng`, which this
+The Rust implementation (`kiln.epoch-order.v1`) shuffles with Rust's ChaCha12 `StdRng`, which this
 project does not reproduce, so it records its own algorithm name in every checkpoint instead:
 
 `kiln-py.epoch-order.v1`, for a u64 `seed`, a u64 `epoch` and an item count `n`:
