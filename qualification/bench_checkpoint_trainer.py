@@ -1,4 +1,4 @@
-"""Exact-checkpoint write time and size from real `train_sft` runs (issue 7 "Done when").
+"""Exact-checkpoint write time and size from real `train_sft` runs.
 
 For each optimizer, trains the `small` tiny preset (full vocabulary, f32 on CPU) at LoRA rank r
 with `checkpoint_interval=1` on short conversations, so every step but the last publishes a

@@ -11,7 +11,7 @@ Each (side, T) runs in its own subprocess so peak RSS is clean; rounds alternate
 background load on a shared machine hits both alike; the table shows the fastest step over all
 timed steps (and the median), peak RSS (VmHWM) or peak CUDA memory, and the ratios ours/theirs.
 
-CPU (the figures in the issue note):
+CPU:
     .venv/bin/python qualification/bench_model.py --preset small --lengths 512 2048
 GPU (when a CUDA machine is lent; needs transformers + peft, optionally flash-linear-attention):
     python qualification/bench_model.py --device cuda --preset qwen35-4b-random --lengths 4096
