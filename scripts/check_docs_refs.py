@@ -7,8 +7,11 @@ Two checks, both over the files git tracks:
    `Class.method`) must name a file that defines that name at module level (a def, class or
    assignment; importing it is not defining it), and a backquoted repository path
    (`api/app.py`, `deploy/queries.sql`) must exist. A path followed by a parenthesised list of
-   backquoted names (`kiln_train/train/trainer.py` (`train_sft`, `SftRun`)) is checked the same
-   way. A bare file name (`formulas.py: estimate`) must match exactly one tracked file.
+   backquoted names (`kiln_train/train/trainer.py` (`train_sft`)), or by more backquoted names
+   after `path.py: name`, is checked the same way. A bare file name (`formulas.py: estimate`)
+   must match exactly one tracked file. A dotted reference whose module part has at least two
+   components (`kiln.broker`, `kiln_train.errors.KilnError`) must name a module, and the rest a
+   name it defines.
 2. Citations `docs/<page>.md#<anchor>` anywhere in the repository, and relative links
    `(<page>.md#<anchor>)` inside docs/, must name a heading of that page (GitHub's slug).
 
@@ -27,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TOP_DIRS = ("api/", "kiln/", "kiln_train/", "worker/", "migrations/", "tests/", "qualification/")
 TOP_DIRS += ("deploy/", "scripts/", "docs/", "examples/")
+PACKAGES = ("api", "kiln", "kiln_train", "worker", "migrations")
 # Placeholders that stand for "some file", not a file of this repository.
 PLACEHOLDERS = {"path/to/module.py"}
 
@@ -118,6 +122,26 @@ def check_name(where: str, path: str, name: str, files: list[str], problems: lis
         problems.append(f"{where}: `{path}` does not define `{name}`")
 
 
+def check_dotted(where: str, text: str, files: list[str], problems: list[str]) -> bool:
+    """Check `pkg.module[.Name]`; False when `text` is not such a reference."""
+    parts = text.split(".")
+    if parts[0] not in PACKAGES or len(parts) < 2:
+        return False
+    for cut in range(len(parts), 1, -1):
+        base = "/".join(parts[:cut])
+        module = next((f for f in (base + ".py", base + "/__init__.py") if f in files), None)
+        if module is None:
+            continue
+        rest = ".".join(parts[cut:])
+        if rest:
+            check_name(where, module, rest, files, problems)
+        return True
+    if (ROOT / parts[0] / (parts[1] + ".py")).exists() or (ROOT / parts[0] / parts[1]).is_dir():
+        problems.append(f"{where}: `{text}` names no module")
+        return True
+    return False
+
+
 def check_code_refs(files: list[str], problems: list[str]) -> int:
     count = 0
     pages = [f for f in files if f.startswith("docs/") and f.endswith(".md")] + ["README.md"]
@@ -134,6 +158,11 @@ def check_code_refs(files: list[str], problems: list[str]) -> int:
                     for name in re.findall(r"`([A-Za-z_][\w.]*)(?:\(\))?`", more.group(1) if more else ""):
                         count += 1
                         check_name(where, ref.group(1), name, files, problems)
+                    continue
+                if re.fullmatch(r"[A-Za-z_][\w.]*[A-Za-z_0-9]", text) and check_dotted(
+                    where, text, files, problems
+                ):
+                    count += 1
                     continue
                 if not re.fullmatch(PATH, text) or not text.startswith(TOP_DIRS):
                     continue
