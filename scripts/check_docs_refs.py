@@ -32,7 +32,7 @@ TOP_DIRS = ("api/", "kiln/", "kiln_train/", "worker/", "migrations/", "tests/", 
 TOP_DIRS += ("deploy/", "scripts/", "docs/", "examples/")
 PACKAGES = ("api", "kiln", "kiln_train", "worker", "migrations")
 # Placeholders that stand for "some file", not a file of this repository.
-PLACEHOLDERS = {"path/to/module.py"}
+PLACEHOLDERS = {"path/to/module.py", "path/file.py"}
 
 SPAN = re.compile(r"`([^`\n]+)`")
 PATH = r"[A-Za-z0-9_./-]+\.[A-Za-z0-9]+"
