@@ -1,4 +1,4 @@
-"""SFT admission: `POST /v1/train/sft` from body to queued job (kiln-contract §1.5, DESIGN.md §1).
+"""SFT admission: `POST /v1/train/sft` from body to queued job (docs/ARCHITECTURE.md#the-path-of-one-job).
 
 Order: (1) validate the request; (2) Idempotency-Key replay or 422; (3) queue limits; (4) the
 live runner; (5) static gates and the output name; (6) resume checkpoint; (7) defaults (learning
@@ -174,7 +174,7 @@ def plan_sft(svc: Services, request: SftRequest) -> AdmissionPlan:
 
 
 def publish(svc: Services, job_id: str) -> bool:
-    """Ring the doorbell and record it; a broker failure leaves the job for the reconciler."""
+    """Publish the job's queue message and record it; a broker failure leaves the job for the reconciler."""
     try:
         publish_job(svc.celery, job_id, svc.settings.queue.queue_name)
     except Exception:
@@ -184,8 +184,8 @@ def publish(svc: Services, job_id: str) -> bool:
         with svc.sessions.begin() as session:
             mark_published(session, job_id)
     except Exception:
-        # The job is admitted and its doorbell rang; failing the request now would invite a
-        # duplicate submission. The reconciler rings again (a duplicate doorbell is dropped).
+        # The job is admitted and its message went out; failing the request now would invite a
+        # duplicate submission. The reconciler publishes again (a duplicate message is dropped).
         log.exception("job %s was published but could not be marked published", job_id)
     return True
 

@@ -1,5 +1,5 @@
 """What the client commands print: tables, key/value blocks, the live progress line, and the
-receipt summary of a finished job (kiln-contract §1.4 shapes in, text out).
+receipt summary of a finished job (the api's response shapes in, text out).
 
 Torch-free and server-free: every function takes the decoded JSON the api returned.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-# TrainingStatus.state on the wire (kiln-contract §1.5).
+# TrainingStatus.state on the wire (docs/ARCHITECTURE.md#job-states).
 JOB_STATES = ("queued", "running", "completed", "failed")
 TERMINAL_STATES = ("completed", "failed")
 
@@ -77,7 +77,8 @@ def format_bytes(count: int | None) -> str:
 
 
 def epoch_of(step: int, total: int, rows_kept: int) -> tuple[int, int] | None:
-    """(current epoch, epochs) from the step counter: steps = epochs x rows kept (seed 000)."""
+    """(current epoch, epochs) from the step counter: steps = epochs x rows kept
+    (docs/training-profile.md#update-rule)."""
     if rows_kept <= 0 or total <= 0:
         return None
     epochs = max(1, total // rows_kept)
@@ -193,7 +194,7 @@ def describe_preflight(plan: dict) -> None:
 
 
 def receipt_summary(detail: dict) -> list[tuple[str, str]]:
-    """The receipt's headline figures (kiln-contract §4): what a finished run did and cost."""
+    """The receipt's headline figures (docs/artifacts.md#train-receipt): what a finished run did and cost."""
     receipt = detail.get("train_receipt")
     if not isinstance(receipt, dict):
         return []

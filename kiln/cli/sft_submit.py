@@ -1,7 +1,7 @@
 """Submitting an SFT job from the command line: the request's config from the flags, the rows of
-a local JSONL file, the canary prompts file, and the wait for the job to finish (seed 000: the CLI
-sends `training_profile` explicitly; `--adapter-smoke-prompts-file` loads a JSON string array or
-one text prompt).
+a local JSONL file, the canary prompts file, and the wait for the job to finish. The CLI sends
+`training_profile` explicitly; `--adapter-smoke-prompts-file` loads a JSON string array or one
+text prompt (docs/configuration.md#cli-flags).
 
 The JSONL rule is the server's (kiln_train.data.ingestion): lines split on LF, ASCII whitespace
 stripped, blank lines are not rows. Rows travel inline as parsed JSON objects.
@@ -55,7 +55,8 @@ CONFIG_FIELDS = {
 
 
 def sft_config(options: dict[str, Any]) -> dict[str, Any]:
-    """The request's `config`: the profile, always explicit (seed 000), then the given options."""
+    """The request's `config`: the profile, always explicit (docs/training-profile.md#the-profile), then the
+    given options."""
     config: dict[str, Any] = {"training_profile": TRAINING_PROFILE}
     for option, field_name in CONFIG_FIELDS.items():
         if options.get(option) is not None:

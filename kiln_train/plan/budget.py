@@ -23,7 +23,7 @@ def available_budget(
     reserve_gb: float,
     training_memory_gb: float | None = None,
 ) -> int:
-    """Bytes a training step may use on the resident device (kiln-contract §7.4, `[memory]`).
+    """Bytes a training step may use on the resident device (docs/memory.md#budget, `[memory]`).
 
     `free_bytes` is what the device reports with the model already resident (CUDA
     `torch.cuda.mem_get_info()[0]` in the worker; CPU `cpu_available_bytes()`), bounded by

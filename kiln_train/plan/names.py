@@ -42,7 +42,7 @@ def check_request_names(config: SftConfig) -> None:
 
 def check_output_name_fits(name: str, total_steps: int) -> None:
     """Every name derived from the adapter's must fit one path segment: the longest is the hidden
-    staging directory of its last checkpoint (docs/checkpoints.md#layout)."""
+    staging directory of its last checkpoint (docs/checkpoints.md#publication)."""
     longest = staging_dir_name(checkpoint_dir_name(name, max(total_steps, 1)))
     if len(longest.encode("utf-8")) > NAME_MAX_BYTES:
         overhead = len(longest) - len(name)
