@@ -296,7 +296,7 @@ ROUTES: tuple[Route, ...] = (
 # ----- request-body constraints the validators enforce (kiln_train.sft_config, api.admission) -----
 
 NON_BLANK = "^[^\\u0000]*[^\\s\\u0000][^\\u0000]*$"  # not blank, no NUL (api.http.unstorable_value)
-ADAPTER_NAME = {  # output_name / base_adapter (api.admission_checks.adapter_name_problem)
+ADAPTER_NAME = {  # output_name / base_adapter (kiln_train/plan/names.py: adapter_name_problem)
     "type": "string",
     "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$",
     "not": {"anyOf": [{"pattern": "\\.kiln-checkpoint$"}, {"pattern": "-checkpoint-step-"}]},

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 3-5 in one bounded run on a lent CUDA machine (see qualification/README.md).
+# The GPU checks in one bounded run on a lent CUDA machine (see qualification/README.md).
 #
 #   qualification/gpu_checks.sh OUT_DIR
 #

@@ -1,7 +1,7 @@
 """Submitting an SFT job from the command line: the request's config from the flags, the rows of
-a local JSONL file, the canary prompts file, and the wait for the job to finish (seed 000: the CLI
-sends `training_profile` explicitly; `--adapter-smoke-prompts-file` loads a JSON string array or
-one text prompt).
+a local JSONL file, the canary prompts file, and the wait for the job to finish. The CLI sends
+`training_profile` explicitly; `--adapter-smoke-prompts-file` loads a JSON string array or one
+text prompt (docs/configuration.md#cli-flags).
 
 The JSONL rule is the server's (kiln_train.data.ingestion): lines split on LF, ASCII whitespace
 stripped, blank lines are not rows. Rows travel inline as parsed JSON objects.
@@ -13,6 +13,7 @@ import json
 import re
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,8 @@ CONFIG_FIELDS = {
 
 
 def sft_config(options: dict[str, Any]) -> dict[str, Any]:
-    """The request's `config`: the profile, always explicit (seed 000), then the given options."""
+    """The request's `config`: the profile, always explicit (docs/training-profile.md#the-profile), then the
+    given options."""
     config: dict[str, Any] = {"training_profile": TRAINING_PROFILE}
     for option, field_name in CONFIG_FIELDS.items():
         if options.get(option) is not None:
@@ -74,10 +76,7 @@ def read_examples(path: Path, policy: str | None) -> tuple[list[dict], list[int]
     rows: list[dict] = []
     lines: list[int] = []
     bad: list[str] = []
-    for number, raw_line in enumerate(raw.split(b"\n"), start=1):
-        line = raw_line.strip(ASCII_WHITESPACE)
-        if not line:
-            continue
+    for number, line in nonblank_lines(raw):
         try:
             value = json.loads(line.decode("utf-8"), parse_constant=_reject_constant)
         except (UnicodeDecodeError, ValueError) as exc:
@@ -101,6 +100,22 @@ def read_examples(path: Path, policy: str | None) -> tuple[list[dict], list[int]
     if not rows:
         raise InputError(f"{path}: no rows (the file is empty or only blank lines)")
     return rows, lines
+
+
+def nonblank_lines(raw: bytes) -> Iterator[tuple[int, bytes]]:
+    """(line number, stripped line) of every line that is a row: the JSONL rule of ingestion."""
+    for number, raw_line in enumerate(raw.split(b"\n"), start=1):
+        line = raw_line.strip(ASCII_WHITESPACE)
+        if line:
+            yield number, line
+
+
+def row_lines(path: Path) -> list[int]:
+    """The file line of each row of a JSONL file (row n is `row_lines(path)[n - 1]`)."""
+    try:
+        return [number for number, _ in nonblank_lines(path.read_bytes())]
+    except OSError:
+        return []
 
 
 def _reject_constant(name: str) -> Any:
@@ -137,14 +152,21 @@ def read_smoke_prompts(path: Path) -> list[str]:
 
 def annotate_rows(err: ApiError, lines: list[int], path: Path) -> None:
     """Name the file line behind a row the server refers to (`examples[i]`, `SFT row n`)."""
-    for match in re.finditer(r"examples\[(\d+)\]", err.message):
+    err.notes.extend(row_notes(err.message, lines, path))
+
+
+def row_notes(message: str, lines: list[int], path: Path) -> list[str]:
+    """`examples[i] is line L of FILE` / `SFT row n is line L of FILE` for each row `message` names."""
+    notes = []
+    for match in re.finditer(r"examples\[(\d+)\]", message):
         index = int(match.group(1))
         if index < len(lines):
-            err.notes.append(f"examples[{index}] is line {lines[index]} of {path}")
-    for match in re.finditer(r"SFT row (\d+)", err.message):
+            notes.append(f"examples[{index}] is line {lines[index]} of {path}")
+    for match in re.finditer(r"SFT row (\d+)", message):
         row = int(match.group(1))
         if 1 <= row <= len(lines):
-            err.notes.append(f"SFT row {row} is line {lines[row - 1]} of {path}")
+            notes.append(f"SFT row {row} is line {lines[row - 1]} of {path}")
+    return notes
 
 
 def wait_for_job(client: ApiClient, admission: dict, interval: float) -> dict:

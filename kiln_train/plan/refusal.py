@@ -16,7 +16,7 @@ def _gb(n: int) -> str:
 def will_not_fit_message(
     breakdown: Breakdown, available_bytes: int, *, rank_ceiling: int, tried: list[int] | None = None
 ) -> str:
-    """The one-line `training_will_not_fit` message of kiln-contract §7.5 plus the advice."""
+    """The one-line `training_will_not_fit` message plus the advice (docs/memory.md#the-413)."""
     b = breakdown
     head = (
         f"Estimated training step working set is {_gb(b.total)} GB but only {_gb(available_bytes)} GB "
@@ -84,7 +84,7 @@ def advice(breakdown: Breakdown, *, rank_ceiling: int, tried: list[int] | None =
 def will_not_fit(
     breakdown: Breakdown, available_bytes: int, *, rank_ceiling: int, tried: list[int] | None = None
 ) -> KilnError:
-    """The 413 error: code `training_will_not_fit`, message per kiln-contract §7.5."""
+    """The 413 error: code `training_will_not_fit`, message per docs/memory.md#the-413."""
     error = KilnError(
         TRAINING_WILL_NOT_FIT,
         will_not_fit_message(breakdown, available_bytes, rank_ceiling=rank_ceiling, tried=tried),

@@ -1,10 +1,11 @@
-"""Resume admission (kiln-contract §1.5 step 3, §5.7): the named `.kiln-checkpoint` is fully
+"""The resume point of a run (docs/checkpoints.md#resume): the named `.kiln-checkpoint` is fully
 validated (file set, sizes, SHA-256), the run's seed is the checkpoint's, and everything the
 request leaves open is taken from the checkpoint so the resumed run is the same run.
 
 After ingestion, `check_resume_identity` compares what admission computed (effective config,
-data identity, total steps) with the manifest and names the first drift (400). The worker
-repeats the complete `compare_for_resume` at dequeue.
+data identity, total steps) with the manifest and names the first drift (400). The trainer
+repeats the complete `compare_for_resume` before it restores anything. Used by the service's
+admission and the library's `finetune` alike. Torch-free.
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ from pathlib import Path
 from kiln_train.checkpoint import CheckpointManifest, load_checkpoint, seed_for_resume
 from kiln_train.checkpoint.resume import RESUME_IGNORED_CONFIG_FIELDS, first_difference
 from kiln_train.errors import KilnError, invalid_request
+from kiln_train.plan.names import NAME_MAX_BYTES
 from kiln_train.sft_config import SftConfig
-
-NAME_MAX_BYTES = 255  # one path segment (Linux NAME_MAX)
 
 
 @dataclass(frozen=True)
