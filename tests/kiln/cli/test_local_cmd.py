@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.api.conftest import tiny_model_dir  # noqa: F401  (session fixture)
-
 KILN = [sys.executable, "-m", "kiln.cli.main"]
 ROOT = Path(__file__).resolve().parents[3]
 RUN_FLAGS = ["--epochs", "2", "--rank", "4", "--alpha", "8", "--optimizer", "adam_w"]
@@ -33,7 +31,7 @@ def kiln_local(model: Path, data: Path, output: Path, *flags: str) -> subprocess
 
 
 @pytest.mark.slow
-def test_train_local_publishes_an_adapter_and_prints_its_receipt(tmp_path, tiny_model_dir):  # noqa: F811
+def test_train_local_publishes_an_adapter_and_prints_its_receipt(tmp_path, tiny_model_dir):
     data = tmp_path / "rows.jsonl"
     data.write_text("\n".join(conversation(i) for i in range(2)) + "\n", encoding="utf-8")
     output = tmp_path / "adapters"
@@ -66,7 +64,7 @@ def test_train_local_publishes_an_adapter_and_prints_its_receipt(tmp_path, tiny_
 
 
 @pytest.mark.slow
-def test_train_local_json_skips_bad_lines_when_asked(tmp_path, tiny_model_dir):  # noqa: F811
+def test_train_local_json_skips_bad_lines_when_asked(tmp_path, tiny_model_dir):
     data = tmp_path / "rows.jsonl"
     data.write_text(f"{conversation(0)}\n\nnot json\n{conversation(1)}\n", encoding="utf-8")
     output = tmp_path / "adapters"
@@ -81,7 +79,7 @@ def test_train_local_json_skips_bad_lines_when_asked(tmp_path, tiny_model_dir): 
     assert len(result["loss_history"]) == 4
 
 
-def test_a_bad_row_exits_1_naming_the_row_and_its_line(tmp_path, tiny_model_dir):  # noqa: F811
+def test_a_bad_row_exits_1_naming_the_row_and_its_line(tmp_path, tiny_model_dir):
     bad = json.dumps({"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]})
     data = tmp_path / "rows.jsonl"
     data.write_text(f"{conversation(0)}\n\n{bad}\n", encoding="utf-8")
@@ -96,7 +94,7 @@ def test_a_bad_row_exits_1_naming_the_row_and_its_line(tmp_path, tiny_model_dir)
     assert not output.exists()
 
 
-def test_a_config_error_exits_1_naming_the_field(tmp_path, tiny_model_dir):  # noqa: F811
+def test_a_config_error_exits_1_naming_the_field(tmp_path, tiny_model_dir):
     data = tmp_path / "rows.jsonl"
     data.write_text(conversation(0) + "\n", encoding="utf-8")
     output = tmp_path / "adapters"
