@@ -7,7 +7,7 @@ The document states what the server accepts, not only the shapes: path parameter
 patterns, query integers their bounds, and the request body the ranges its validators enforce
 (`REQUEST_CONSTRAINTS`), so a client that follows the document is refused only for what a schema
 cannot say (alpha/rank, the runner's rank range, memory, names already taken).
-`tests/api/test_probe_fuzz_openapi.py` holds the parser to these constraints at their edges.
+`tests/api/test_openapi_edges.py` holds the parser to these constraints at their edges.
 """
 
 from __future__ import annotations

@@ -309,7 +309,7 @@ def run_parity(args) -> None:
     device = torch.device(args.device)
     if device.type != "cuda" or not torch.cuda.is_available():
         raise SystemExit(
-            "--parity compares bf16 on CUDA; the f32 CPU parity lives in tests/kiln_train/model/test_model_parity.py"
+            "--parity compares bf16 on CUDA; the f32 CPU parity lives in tests/kiln_train/model/test_qwen35_parity.py"
         )
     fla_reason = fla_unusable_reason(torch.device("cuda", torch.cuda.current_device()))
     impls = ["chunk"] + (["fla"] if fla_reason is None else [])

@@ -33,7 +33,7 @@ A third fixture, qualification/fixtures/qwen35_sft_probe2_v1.json, holds named c
 conversations from `probe2_rows` (tool-call arguments of every JSON type and spelling, turns after the
 last assistant, consecutive assistant/user turns, reasoning aliases given together, fields the template
 ignores, content parts without a type, control characters, nested or non-OpenAI tools schemas) and edge
-rows Kiln refuses although TRL renders them; tests/kiln_train/data/test_conversations_probe2_oracle.py
+rows Kiln refuses although TRL renders them; tests/kiln_train/data/test_conversations_oracle_corners.py
 compares Kiln with it exactly, without TRL.
 
 Regenerate (writes all three fixtures; a fixture's bytes do not change unless its cases do):
