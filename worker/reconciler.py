@@ -99,9 +99,9 @@ class Reconciler:
                         data={"previously_published_at": seen.isoformat()},
                     )
             except Exception:
-                log.exception("ringing the lost doorbell of job %s failed; will retry", job_id)
+                log.exception("publishing the lost queue message of job %s again failed; will retry", job_id)
                 continue
-            log.warning("job %s: doorbell lost by the broker; published again", job_id)
+            log.warning("job %s: queue message lost by the broker; published again", job_id)
             count += 1
         return count
 

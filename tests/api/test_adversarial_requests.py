@@ -1,6 +1,7 @@
-"""Adversarial submissions and route arguments (DESIGN.md §7, kiln-contract §1.6): each gets the
-contract's code in the envelope with the right status, names what is wrong, and leaves no row, no
-queue message and no file -- on SQLite and Postgres alike (no 500 from what one database refuses)."""
+"""Adversarial submissions and route arguments (docs/errors.md#envelope, docs/errors.md#codes):
+each gets the contract's code in the envelope with the right status, names what is wrong, and
+leaves no row, no queue message and no file -- on SQLite and Postgres alike (no 500 from what one
+database refuses)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def _raw(text: str) -> bytes:
 
 # name -> (raw body, fragment the error message must contain)
 BAD_BODIES = {
-    # json.loads turns 1e400 into inf, which then slipped into the stored examples (Postgres 500).
+    # json.loads turns 1e400 into inf, which must not reach the stored examples (Postgres refuses it).
     "number_out_of_range_in_an_example": (
         _raw(
             '{"examples":[{"messages":'
@@ -54,9 +55,9 @@ BAD_BODIES = {
         ),
         "duplicate key 'config'",
     ),
-    # RecursionError escaped the parser as a 500.
+    # Nesting past the parser's depth is a 400, never a RecursionError.
     "nesting_too_deep": (_raw('{"examples":' + "[" * 50_000 + "]" * 50_000 + "}"), "nested too deeply"),
-    # A lone surrogate escape broke the request fingerprint (UnicodeEncodeError, 500).
+    # A lone surrogate escape is a 400: the request fingerprint cannot encode it as UTF-8.
     "lone_surrogate_in_content": (
         _raw(
             '{"examples":[{"messages":[{"role":"user","content":"a\\ud800"},'
@@ -64,7 +65,7 @@ BAD_BODIES = {
         ),
         "examples[0].messages[0].content contains a lone UTF-16 surrogate",
     ),
-    # Postgres cannot hold U+0000 in JSONB/text: the admission transaction failed with a 500.
+    # Postgres cannot hold U+0000 in JSONB/text: refused before the admission transaction.
     "nul_in_content": (
         json.dumps(
             {
@@ -98,7 +99,7 @@ BAD_BODIES = {
         json.dumps({"examples": [ROW], "config": {**CONFIG, "resume_checkpoint": "a\u0000"}}).encode(),
         "config.resume_checkpoint contains U+0000",
     ),
-    # Names the trainer refuses only after the queue wait (or that break publication) are 400 now.
+    # Names the trainer would refuse only after the queue wait (or that break publication) are 400.
     "output_name_with_trailing_newline": (
         json.dumps(sft_body(1, output_name="adapter\n")).encode(),
         "config.output_name: 'adapter\\n' must be one path segment",
@@ -145,8 +146,8 @@ def test_bad_body_is_400_and_leaves_nothing(case, client, engine, broker, storag
 
 
 def test_dataset_path_longer_than_its_column_is_400(client, engine, broker, storage, settings, runner):
-    """`./` repeated resolves to a real file but overflows the admission row's varchar(1024):
-    Postgres refused the insert (500), SQLite kept it."""
+    """`./` repeated resolves to a real file but would overflow the admission row's varchar(1024):
+    it is a 400 on both databases (Postgres would refuse the insert, SQLite would keep it)."""
     (settings.datasets_dir / "rows.jsonl").write_text(json.dumps(ROW) + "\n", encoding="utf-8")
     path = "./" * 600 + "rows.jsonl"
     before = snapshot(engine, broker, storage)
@@ -212,7 +213,7 @@ def test_a_base_adapter_of_another_model_shape_is_400(client, settings, runner, 
 
 
 def test_a_resume_ignores_base_adapter_at_admission(client, settings, runner):
-    """kiln-contract §5: a resume ignores base_adapter; the resume checkpoint decides instead."""
+    """A resume ignores base_adapter; the resume checkpoint decides instead (docs/checkpoints.md#resume)."""
     body = sft_body(
         1, base_adapter="no-such-adapter", resume_checkpoint="x-checkpoint-step-00000001.kiln-checkpoint"
     )
@@ -232,7 +233,8 @@ JOB_ROUTES = [
 @pytest.mark.parametrize(("method", "route"), JOB_ROUTES)
 @pytest.mark.parametrize("job_id", ["a%00b", "%00", "x" * 65, "not-a-uuid"])
 def test_impossible_job_ids_are_404_not_found(method, route, job_id, client, engine, broker, storage, runner):
-    """A NUL in a job id made Postgres refuse the query (500)."""
+    """Ids that cannot name a job are 404 on both databases, a NUL included (Postgres refuses one
+    in a query)."""
     client.post("/v1/train/sft", json=sft_body(1))
     before = snapshot(engine, broker, storage)
     response = getattr(client, method)(route.format(job_id))
@@ -243,7 +245,7 @@ def test_impossible_job_ids_are_404_not_found(method, route, job_id, client, eng
 
 @pytest.mark.parametrize("after", ["2147483648", "9223372036854775808", "99999999999999999999999"])
 def test_event_cursor_beyond_any_event_id_is_400(after, client, runner):
-    """Cursors past the id column's range overflowed the driver (500 on both databases)."""
+    """Cursors past the id column's range are a 400, never handed to the driver (which overflows)."""
     job_id = client.post("/v1/train/sft", json=sft_body(1)).get_json()["job_id"]
     response = client.get(f"/v1/train/jobs/{job_id}/events?after={after}")
     assert response.status_code == 400
@@ -266,7 +268,7 @@ def test_adapter_name_with_a_trailing_newline_is_invalid(method, client, engine,
 
 def test_publish_mark_failing_still_answers_the_admitted_job(client, sessions, broker, runner, monkeypatch):
     """The message went out but recording it failed: the job exists, so the answer is 200 (a 500
-    would invite a duplicate submission); the reconciler rings again later."""
+    would invite a duplicate submission); the reconciler publishes it again later."""
     import api.admission
 
     def unavailable(session, job_id, now=None):

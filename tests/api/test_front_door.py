@@ -371,7 +371,8 @@ def _envelope(response) -> dict:
 def test_resume_checkpoint_name_longer_than_a_path_segment_is_400(
     name, client, engine, broker, storage, runner
 ):
-    """The checkpoint loader's lstat raised ENAMETOOLONG (OSError), answered as 500 internal_error."""
+    """A name longer than one path segment is a 400 naming the limit, never an OSError
+    (ENAMETOOLONG) from the checkpoint loader's lstat."""
     before = snapshot(engine, broker, storage)
     response = client.post("/v1/train/sft", json=sft_body(1, resume_checkpoint=name))
     assert response.status_code == 400

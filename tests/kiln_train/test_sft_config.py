@@ -1,7 +1,7 @@
-"""Request-side optimizer and learning-rate validation (seed 000 "Optimizers and learning rate").
+"""Request-side optimizer and learning-rate validation (docs/optimizers.md#hyperparameters).
 
 Every bad field fails with `training_invalid_request` and a message naming the field; every range
-edge of the seed is exercised from both sides.
+edge is exercised from both sides.
 """
 
 from __future__ import annotations

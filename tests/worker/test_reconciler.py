@@ -1,10 +1,10 @@
 """The reconciler and the runtime's recovery paths on the real store (SQLite and Postgres) and real
 Redis: nothing admitted is ever lost, a job never runs twice, its row ends truthful.
 
-- A doorbell lost with the broker (Redis restarted without persistence, or flushed; or the
-  unacked doorbell of a newer job held by a worker that died while running an older job first)
-  is rung again, once, for a job that waited past an idle worker; a busy or freshly idle worker's
-  waiting jobs are not rung twice.
+- A queue message lost with the broker (Redis restarted without persistence, or flushed; or the
+  unacked message of a newer job held by a worker that died while running an older job first)
+  is published again, once, for a job that waited past an idle worker; a busy or freshly idle
+  worker's waiting jobs are not published twice.
 - Warm shutdowns (a rolling deploy) are graceful releases, not failed deliveries: they never use
   up a job's delivery budget, while crashes still do.
 - A reconciler killed between requeueing a job and withdrawing the checkpoint its dead worker
@@ -55,7 +55,7 @@ REPO = Path(__file__).resolve().parents[2]
 CHECKPOINT = "support-bot-checkpoint-step-00000007.kiln-checkpoint"
 
 
-def _age_doorbell(sessions, runtime, job_id: str, seconds: float = 300) -> None:
+def _age_message(sessions, runtime, job_id: str, seconds: float = 300) -> None:
     """The job was published `seconds` ago and the worker has been idle since then."""
     past = store.utcnow() - timedelta(seconds=seconds)
     with sessions.begin() as s:
@@ -63,32 +63,32 @@ def _age_doorbell(sessions, runtime, job_id: str, seconds: float = 300) -> None:
     runtime.idle_since = past - timedelta(seconds=1)
 
 
-def test_a_doorbell_lost_with_the_broker_is_rung_again(client, runtime, sessions, broker):
+def test_a_message_lost_with_the_broker_is_published_again(client, runtime, sessions, broker):
     job_id = submit(client, sft_body(2, output_name=unique_name("flushed")))
     assert broker.task_ids() == [job_id]
     broker.client.delete(broker.queue)  # Redis restarted without persistence: the message is gone
     assert broker.task_ids() == []
-    _age_doorbell(sessions, runtime, job_id)
+    _age_message(sessions, runtime, job_id)
     assert runtime.reconciler.run_once()["republished"] == 1
     assert broker.task_ids() == [job_id]
     assert "republished" in event_kinds(sessions, job_id)
-    # Stamped: the next pass does not ring it again.
+    # Stamped: the next pass does not publish it again.
     assert runtime.reconciler.run_once()["republished"] == 0
     assert broker.task_ids() == [job_id]
     assert runtime.run_job(job_id) == "completed"
     assert job_row(sessions, job_id).attempts == 1
 
 
-def test_a_busy_or_freshly_idle_worker_does_not_ring_waiting_jobs_again(client, runtime, sessions, broker):
-    """A queued job behind a running one is waiting, not lost: no duplicate doorbells."""
+def test_a_busy_or_freshly_idle_worker_does_not_republish_waiting_jobs(client, runtime, sessions, broker):
+    """A queued job behind a running one is waiting, not lost: no duplicate messages."""
     job_id = submit(client, sft_body(2, output_name=unique_name("waiting")))
-    _age_doorbell(sessions, runtime, job_id)
+    _age_message(sessions, runtime, job_id)
     runtime.idle_since = None  # busy with another job
     assert runtime.reconciler.run_once()["republished"] == 0
-    runtime.idle_since = store.utcnow()  # that job just ended: the doorbell is on its way
+    runtime.idle_since = store.utcnow()  # that job just ended: the next message is on its way
     assert runtime.reconciler.run_once()["republished"] == 0
     runtime.idle_since = store.utcnow() - timedelta(minutes=10)
-    runtime.shutdown.set()  # a worker on its way out consumes nothing: it rings nothing either
+    runtime.shutdown.set()  # a worker on its way out consumes nothing: it republishes nothing either
     assert runtime.reconciler.run_once()["republished"] == 0
     runtime.shutdown.clear()
     assert broker.task_ids() == [job_id]
@@ -171,9 +171,9 @@ def test_crash_deliveries_still_exhaust_the_budget_after_graceful_releases(
 
 
 def test_a_reconciler_killed_before_withdrawing_does_not_doom_the_resume(client, runtime, sessions, settings):
-    """The job was requeued from step 2, but the step-4 checkpoint its dead worker published
-    (never recorded, and damaged meanwhile, so not adoptable) was still on disk: the resumed run
-    failed with `already exists` at step 4."""
+    """The job is requeued from step 2 while the step-4 checkpoint its dead worker published (never
+    recorded, and damaged meanwhile, so not adoptable) is still on disk: the resumed run withdraws
+    it and completes, rather than failing with `already exists` at step 4."""
     name = unique_name("rckill")
     job_id = submit(client, sft_body(3, epochs=2, checkpoint_interval=2, seed=5, output_name=name))
     original = runtime._on_checkpoint
@@ -222,10 +222,10 @@ def test_a_user_resume_does_not_withdraw_a_later_checkpoint_it_did_not_write(
     client, runtime, sessions, settings
 ):
     """The dequeue clean-up is for the job's own unrecorded checkpoints only: a user resume of an
-    older checkpoint still fails on reaching a later existing name (kiln-contract §5.7)."""
+    older checkpoint still fails on reaching a later existing name (docs/checkpoints.md#resume)."""
     name = unique_name("older")
-    # An explicit segment count: an auto-planned first run is not resumable through the api at
-    # all (admission pins `auto: false` for a resume; reported separately).
+    # An explicit segment count keeps this about the clean-up; resuming an auto-planned run is
+    # tested in tests/worker/test_resume_auto_plan.py.
     config = {"epochs": 2, "checkpoint_interval": 2, "seed": 5, "grad_checkpoint_segments": 1}
     first = submit(client, sft_body(3, output_name=name, **config))
     original = runtime._on_step

@@ -1,6 +1,6 @@
 """The resident worker runtime against the real store (SQLite and Postgres) and a real broker.
 
-Jobs are admitted through the api; `run_job` is what the Celery task calls for a doorbell.
+Jobs are admitted through the api; `run_job` is what the Celery task calls for a queue message.
 A warm-shutdown release waits for a heartbeat that already read the run, so the lease it
 expires is never renewed.
 """
@@ -50,7 +50,7 @@ def test_job_runs_to_completion_and_records_everything(client, runtime, sessions
         "adapter_model.safetensors",
         "train_receipt.json",
     ]
-    # A redelivered doorbell for a finished job is dropped and changes nothing.
+    # A redelivered message for a finished job is dropped and changes nothing.
     assert runtime.run_job(job_id) == "dropped"
     assert job_row(sessions, job_id).attempts == 1
 

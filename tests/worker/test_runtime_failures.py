@@ -1,7 +1,7 @@
-"""Failures around the resident runtime (DESIGN §1): broken storage, a job store that blinks, a
-lease that runs out under a live worker or is taken from it, a worker killed while publishing.
-The row must always end in a truthful state, a job never runs twice, and nothing half-published
-or unrecorded keeps a name a later run needs.
+"""Failures around the resident runtime (docs/recovery.md#database-outages): broken storage, a job
+store that blinks, a lease that runs out under a live worker or is taken from it, a worker killed
+while publishing. The row must always end in a truthful state, a job never runs twice, and
+nothing half-published or unrecorded keeps a name a later run needs.
 
 Real store (SQLite and Postgres), real broker; faults are injected only where a real one cannot
 be produced in-process (an outage of the database connection, a kill at an exact point).
@@ -91,7 +91,7 @@ def test_unusable_output_root_fails_the_job_instead_of_leaving_it_running(
     with sessions() as s:
         assert store.get_adapter(s, name) is None
     assert not (adapters / name).exists()
-    assert runtime.run_job(job_id) == "dropped"  # a redelivered doorbell changes nothing
+    assert runtime.run_job(job_id) == "dropped"  # a redelivered message changes nothing
 
 
 def test_a_brief_store_outage_while_recording_progress_is_ridden_out(client, runtime, sessions, flaky):
@@ -142,9 +142,9 @@ def test_a_long_store_outage_mid_run_leaves_the_job_to_be_resumed(client, runtim
     assert steps(sessions, job_id) == [1, 2, 3]
 
 
-def test_store_down_at_dequeue_rings_the_doorbell_again(client, runtime, sessions, broker, flaky):
+def test_store_down_at_dequeue_retries_the_message(client, runtime, sessions, broker, flaky):
     """The task retries until the store answers and runs the job, rather than failing and being
-    acknowledged, which would leave the published `queued` row waiting for a doorbell."""
+    acknowledged, which would leave the published `queued` row waiting for a message."""
     from kiln.broker import TRAIN_SFT_TASK
     from worker.tasks import install_runtime
 
@@ -161,8 +161,8 @@ def test_store_down_at_dequeue_rings_the_doorbell_again(client, runtime, session
     assert job.state == states.COMPLETED and job.attempts == 1
 
 
-def test_a_doorbell_during_shutdown_is_handed_back_unclaimed(client, runtime, sessions):
-    """A worker in warm shutdown hands the next doorbell (often the job it has just released) back
+def test_a_message_during_shutdown_is_handed_back_unclaimed(client, runtime, sessions):
+    """A worker in warm shutdown hands the next message (often the job it has just released) back
     to the broker unclaimed, rather than run one step, checkpoint and release it again."""
     from celery.exceptions import Reject
 
@@ -215,13 +215,13 @@ def test_an_expired_lease_under_a_live_worker_is_not_taken_over(
         if report.global_step == 3:
             expire_lease(sessions, jid)  # a stalled renewal, a clock step: the lease ran out
             seen["reconciled"] = second_worker.reconciler.run_once()
-            seen["doorbell"] = second_worker.run_job(jid)
+            seen["redelivered"] = second_worker.run_job(jid)
             seen["state"] = job_row(sessions, jid).state
 
     runtime._on_step = on_step
     assert runtime.run_job(job_id) == "completed"
     assert seen["reconciled"]["resumed"] == 0 and seen["reconciled"]["failed"] == 0
-    assert seen["doorbell"] == "dropped" and seen["state"] == states.RUNNING
+    assert seen["redelivered"] == "dropped" and seen["state"] == states.RUNNING
     job = job_row(sessions, job_id)
     assert job.state == states.COMPLETED and job.attempts == 1 and job.worker_id == runtime.worker_id
     assert steps(sessions, job_id) == [1, 2, 3, 4]

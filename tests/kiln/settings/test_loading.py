@@ -1,4 +1,4 @@
-"""Typed configuration: kiln.toml + KILN_<SECTION>_<FIELD> + CLI flags (DESIGN §6)."""
+"""Typed configuration: kiln.toml + KILN_<SECTION>_<FIELD> + CLI flags (docs/configuration.md)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,9 @@ from kiln_train.errors import FAILURE_REASONS
 
 
 def validate_receipt(receipt: dict) -> None:
-    """Reader validation of kiln-contract §4.2: envelope and SFT cross-bindings. Raises ValueError."""
+    """Reader validation of docs/artifacts.md#receipt-fields: envelope and SFT cross-bindings.
+
+    Raises ValueError."""
     if receipt.get("schema_version") != 1 or receipt.get("receipt_type") != RECEIPT_TYPE:
         raise ValueError("not a kiln_train_receipt v1")
     if not receipt.get("adapter_name"):

@@ -1,7 +1,7 @@
 """PEFT adapters: interop with transformers + PEFT both ways, base-adapter warm starts, and a
 publication that never replaces a name taken at the last moment.
 
-kiln-contract §6 (adapter directory, config, tensor names), seed 000 "Artifacts and resume"
+docs/artifacts.md#peft-adapter (adapter directory, config, tensor names); docs/checkpoints.md#resume
 (a PEFT adapter may be a new run's `base_adapter`, subject to shape and provenance checks; that
 is never a resume).
 """

@@ -1,4 +1,7 @@
-"""`train_receipt.json` build and reader validation (kiln-contract §4.1-§4.2)."""
+"""`train_receipt.json` build and reader validation.
+
+See docs/artifacts.md#receipt-envelope and docs/artifacts.md#receipt-fields.
+"""
 
 from __future__ import annotations
 

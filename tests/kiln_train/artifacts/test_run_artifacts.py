@@ -1,4 +1,5 @@
-"""Schema-style checks of real artifacts against kiln-contract §3.5, §4 and §6.
+"""Schema-style checks of real artifacts against docs/ingestion.md#ingestion-receipt,
+docs/artifacts.md#train-receipt and docs/artifacts.md#peft-adapter.
 
 One tiny run per outcome (success with the adapter smoke test, a warm start from that adapter, a
 cancelled run, a missing base adapter) and every written file is compared with the contract's
@@ -285,7 +286,7 @@ def check_adapter_dir(path, receipt: dict, *, parent: str | None, rank: int, alp
             r"^base_model\.model\.model\.layers\.\d+\.(self_attn|linear_attn|mlp)\.(\w+)\.lora_[AB]\.weight$"
         )
         blocks = {"self_attn": {"q_proj", "k_proj", "v_proj", "o_proj"},
-                  "linear_attn": {"in_proj_qkv", "in_proj_z", "out_proj"},  # DESIGN §3 beyond: HF paths
+                  "linear_attn": {"in_proj_qkv", "in_proj_z", "out_proj"},  # docs/artifacts.md#tensor-names
                   "mlp": {"gate_proj", "up_proj", "down_proj"}}  # fmt: skip
         for key in keys:
             m = key_re.match(key)

@@ -1,4 +1,7 @@
-"""`kiln-py.epoch-order.v1` (kiln-contract §5.4): golden values, the documented byte stream, uniformity."""
+"""`kiln-py.epoch-order.v1`: golden values, the documented byte stream, uniformity.
+
+See docs/training-profile.md#data-order.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The strict loader and status discovery (kiln-contract §5.7): one test per rejection."""
+"""The strict loader and status discovery (docs/checkpoints.md#loading): one test per rejection."""
 
 from __future__ import annotations
 

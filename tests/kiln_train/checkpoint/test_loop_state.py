@@ -1,4 +1,7 @@
-"""`sft_loop_state.json` (`kiln.sft-loop-state.v1`, kiln-contract §5.1): round trip and invariants."""
+"""`sft_loop_state.json` (`kiln.sft-loop-state.v1`): round trip and invariants.
+
+See docs/checkpoints.md#loop-state.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Atomic publication (kiln-contract §5.5): layout, refusal to overwrite, bad input, crash at every stage."""
+"""Atomic publication: layout, refusal to overwrite, bad input, crash at every stage.
+
+See docs/checkpoints.md#publication.
+"""
 
 from __future__ import annotations
 

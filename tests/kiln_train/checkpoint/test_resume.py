@@ -1,4 +1,4 @@
-"""Resume admission (kiln-contract §5.7): every bound field is compared, the first drift is named."""
+"""Resume admission (docs/checkpoints.md#resume): every bound field is compared, the first drift is named."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ TOOL_ROW = {
         {"role": "assistant", "content": "21°C.", "reasoning_content": "ok"},
     ],
 }
-# Hand-written canonical forms (sorted keys, no spaces, raw UTF-8; arguments stay the original string).
+# Hand-written canonical forms (sorted keys, no spaces, raw UTF-8; an arguments string stays as written).
 PLAIN_CANONICAL = '{"messages":[{"content":"Hi","role":"user"},{"content":"Hello","role":"assistant"}]}'
 TOOL_CANONICAL = (
     '{"messages":[{"content":"Météo à Paris ?","role":"user"},{"content":"","role":"assistant","tool_calls":'

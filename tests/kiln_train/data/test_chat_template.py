@@ -1,4 +1,5 @@
-"""Kiln's Qwen3.5 SFT rendering and labels against the Transformers+TRL oracle fixture (seed 002)."""
+"""Kiln's Qwen3.5 SFT rendering and labels against the Transformers+TRL oracle fixture
+(docs/tokenization.md#oracle-fixtures)."""
 
 from __future__ import annotations
 
@@ -121,7 +122,7 @@ def test_adversarial_literals_do_not_move_loss_boundaries(qwen_tokenizer, oracle
     )
 
 
-# --------------------------------------------------------------------------- qwen35.md §6.3 examples
+# ------------------------------------------------ rendering examples: docs/tokenization.md#rendering
 
 
 def test_example_b_and_b2():

@@ -1,4 +1,5 @@
-"""Kiln against the Transformers + TRL conversations fixture, exactly and without TRL (seed 002).
+"""Kiln against the Transformers + TRL conversations fixture, exactly and without TRL
+(docs/tokenization.md#oracle-fixtures).
 
 qualification/fixtures/qwen35_sft_conversations_v1.json is written by
 `qualification/sft_template_oracle.py --write` (see qualification/README.md): 300 seeded

@@ -206,11 +206,11 @@ def test_hash_identity_of_aliases_and_arguments_text(fixture):
 
 
 def test_object_key_order_is_rendered_but_not_hashed(qwen_tokenizer):
-    """Known residue (reported, not changed here: the hash recipe is the contract's). Parameters of an
-    `arguments` object and the keys of a `tools` schema render in the order the row gives them, as in
-    TRL (the corner-case fixture's `arguments_object` and `tools_nested_schema` cases pin that order), but
-    the parsed-row hash sorts keys (kiln-contract §3.4), so two rows differing only in that order
-    share a row hash while training different token sequences. An `arguments` JSON string is hashed
+    """A known limit of the contract's hash recipe. Parameters of an `arguments` object and the keys
+    of a `tools` schema render in the order the row gives them, as in TRL (the corner-case fixture's
+    `arguments_object` and `tools_nested_schema` cases pin that order), but the parsed-row hash
+    sorts keys (docs/ingestion.md#row-identity), so two rows differing only in that order share a
+    row hash while training different token sequences. An `arguments` JSON string is hashed
     verbatim and does not have this gap."""
     q = {"role": "user", "content": "Q"}
 

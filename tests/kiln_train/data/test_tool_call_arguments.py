@@ -109,7 +109,7 @@ def test_kiln_data_inspect_json_reports_the_row_instead_of_a_traceback(tmp_path)
 
 
 def test_arguments_that_fit_are_rendered_exactly_as_python_reads_them(qwen_tokenizer):
-    """The boundary of the new checks: paired surrogates, the largest f64, -0.0, big integers and
+    """The boundary of these checks: paired surrogates, the largest f64, -0.0, big integers and
     NUL are all representable and render as TRL renders them (the corner-case fixture pins the ids)."""
     row = calling(
         '{"e": "\\ud83d\\ude00", "m": 1.7976931348623157e308, "z": -0.0, "b": 123456789012345678901234567890, '
@@ -125,7 +125,7 @@ def test_arguments_that_fit_are_rendered_exactly_as_python_reads_them(qwen_token
 
 
 # A training template that writes a lone surrogate into one rendering: the real tokenizer refuses
-# that text, which no normalised row can reach any more -- the backstop must still hold.
+# that text, which no normalised row can reach -- the backstop must still hold.
 SURROGATE_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n"
     "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"

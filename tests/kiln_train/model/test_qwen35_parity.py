@@ -1,6 +1,7 @@
 """Oracle parity: our Qwen3.5 logits vs transformers' Qwen3_5ForCausalLM on the same weights (f32).
 
-Tolerance: max |Δlogit| ≤ 1e-5 · max |logit| (transformers is the reference; qwen35.md §2, §4).
+Tolerance: max |Δlogit| ≤ 1e-5 · max |logit| (transformers is the reference;
+docs/model.md#parity-with-transformers).
 
 On checkpoints that transformers itself writes, over many Qwen3.5 shapes: each case builds a
 random `Qwen3_5ForCausalLM` (text config, prefix `model.`) or `Qwen3_5ForConditionalGeneration` (VL

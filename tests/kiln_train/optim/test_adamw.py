@@ -1,4 +1,4 @@
-"""AdamW against the checked-in PyTorch oracle (seed 000 "AdamW numerical qualification").
+"""AdamW against the checked-in PyTorch oracle (docs/optimizers.md#adamw-qualification).
 
 The fixture comes from `qualification/adamw_pytorch_oracle.py` (see its docstring for the
 regenerate command). F32: every lane after every step of a free-running trajectory within

@@ -14,7 +14,7 @@ SMALL = parse_config({**PRESETS["small"], "dtype": "bfloat16"})
 CUDA = backend_for_device("cuda")
 CPU = backend_for_device("cpu")
 
-# Qwen3.5-4B text config (qwen35.md §1.1).
+# Qwen3.5-4B text config (docs/model.md#configuration).
 QWEN35_4B = parse_config(QWEN35_4B_TEXT_CONFIG)
 
 
@@ -66,7 +66,7 @@ def sized_config(hidden, inter, layers, heads, kv, v_heads, tied):
     )
 
 
-# qwen35.md §1.2: 0.8B / 4B / 9B / 27B.
+# The released sizes: 0.8B / 4B / 9B / 27B (docs/model.md#configuration).
 SIZES = {
     "0.8b": sized_config(1024, 3584, 24, 8, 2, 16, True),
     "4b": parse_config(QWEN35_4B_TEXT_CONFIG),

@@ -184,7 +184,7 @@ def test_a_pinned_row_plan_is_readmitted_row_by_row():
     )
     assert worst is not None and worst.total == expected <= budget
     assert check_row_plan_fits(QWEN35_4B, [], plan, available_bytes=budget, **common) is None
-    # Today's budget one byte under the worst row's bound: 413 with the contract's breakdown.
+    # A budget one byte under the worst row's bound: 413 with the contract's breakdown.
     with pytest.raises(KilnError) as err:
         check_row_plan_fits(QWEN35_4B, rows, plan, available_bytes=expected - 1, **common)
     assert err.value.code == "training_will_not_fit"

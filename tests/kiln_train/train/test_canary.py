@@ -1,4 +1,4 @@
-"""Adapter canaries: `adapter_smoke_test` and `adapter_canary_status.json` (kiln-contract §4.4)."""
+"""Adapter canaries: `adapter_smoke_test` and `adapter_canary_status.json` (docs/artifacts.md#canaries)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """`train_sft` on the tiny model: the native_online_lora_v1 update contract and the success artifacts.
 
-Seed 000 "Update contract" and "Artifacts and resume"; kiln-contract §2.5, §4, §6.
+docs/training-profile.md#update-rule, docs/artifacts.md#train-receipt, docs/artifacts.md#peft-adapter
+and docs/checkpoints.md#resume.
 """
 
 from __future__ import annotations
@@ -203,7 +204,7 @@ def test_the_receipt_fields(adamw_run, resident, ingestion):
     receipt = read_json(result.adapter_path / "train_receipt.json")
     assert receipt == result.receipt
     validate_receipt(receipt)
-    # envelope (kiln-contract §4.1)
+    # envelope (docs/artifacts.md#receipt-envelope)
     assert receipt["schema_version"] == 1 and receipt["receipt_type"] == "kiln_train_receipt"
     assert receipt["adapter_name"] == "receipt-run"
     assert receipt["status"] == "success" and receipt["failure_reason"] is None
@@ -325,7 +326,10 @@ def test_an_unresolved_config_or_bad_name_fails_before_anything_is_written(resid
 
 
 def test_forward_and_backward_run_inside_the_training_scope(resident, ingestion, tmp_path, monkeypatch):
-    """Seed 000 "Tape authority": the step opens the scope; nothing outside a step sees it."""
+    """The step opens the training scope; nothing outside a step sees it.
+
+    See docs/training-profile.md#training-scope.
+    """
     from kiln_train.train.scope import TRAINING_SCOPE
 
     module = resident.model.get_submodule("layers.0.mlp.up_proj")

@@ -1,8 +1,9 @@
 """Every SFT failure category the trainer can meet, provoked for real, with its failed receipt.
 
-Seed 000 "Update contract", "Exact gradient-set boundary", "Per-operation anomaly diagnosis";
-kiln-contract §2.5 (divergence guard), §4.1 (failure categories). The base-adapter categories
-(`base_adapter_missing`, `shape_mismatch`, `adapter_load_failed`) are provoked in test_adapter.py.
+docs/training-profile.md#update-rule (divergence guard), docs/training-profile.md#gradient-set,
+docs/training-profile.md#anomaly-detection, docs/errors.md#failure-reasons (failure categories).
+The base-adapter categories (`base_adapter_missing`, `shape_mismatch`, `adapter_load_failed`) are
+provoked in test_adapter.py.
 """
 
 from __future__ import annotations

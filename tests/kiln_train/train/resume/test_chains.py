@@ -1,4 +1,5 @@
-"""Exact resume under scenarios beyond `test_exact.py` (kiln-contract §5.6, §5.7).
+"""Exact resume under scenarios beyond `test_exact.py` (docs/checkpoints.md#when-checkpoints-are-written,
+docs/checkpoints.md#resume).
 
 Each case trains one run straight through and the same run as a chain of cooperative stops
 (`should_stop`), every leg resuming from the checkpoint the previous leg published: a resumed

@@ -1,6 +1,6 @@
 """Resume drift: every bound field that differs fails, naming the field, before any model work.
 
-kiln-contract §5.7: the checkpoint binds the effective config (learning rate, rank, seed,
+docs/checkpoints.md#resume: the checkpoint binds the effective config (learning rate, rank, seed,
 optimizer, segments, anomaly flag, ...), the data identity, the loss route (planning identity
 v4), the base-weight content, the execution provenance and the adapter name. A resume that
 drifts in any of them fails before LoRA tensors are attached, and a PEFT adapter directory

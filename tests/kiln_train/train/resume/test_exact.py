@@ -1,4 +1,4 @@
-"""Bit-exact continuation from an exact checkpoint in a fresh process (kiln-contract §5).
+"""Bit-exact continuation from an exact checkpoint in a fresh process (docs/checkpoints.md).
 
 For each optimizer, with gradient checkpointing off and on (2 segments): N steps straight versus
 k steps, checkpoint, a new Python process that loads the resident model, re-ingests the rows and
@@ -8,8 +8,9 @@ resumed run both publish the step-6 checkpoint; its adapter, optimizer and loop-
 be byte-identical, and so must the final adapters.
 
 The "k steps then stop" run is a cooperative cancel (`should_stop`), which publishes the
-checkpoint at k and fails as `cancelled` (kiln-contract §5.6). All resumes run in one child
-process (`python -m tests.kiln_train.train.trainer_fixtures resume`), with the same torch thread count.
+checkpoint at k and fails as `cancelled` (docs/checkpoints.md#when-checkpoints-are-written). All
+resumes run in one child process (`python -m tests.kiln_train.train.trainer_fixtures resume`),
+with the same torch thread count.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""A warm-started run keeps its lineage across resume (kiln-contract §4.3, §5.7, §6.4).
+"""A warm-started run keeps its lineage across resume (docs/artifacts.md#provenance,
+docs/checkpoints.md#resume, docs/artifacts.md#adapter-manifest).
 
 Resume ignores the request's `base_adapter`: it continues the checkpoint's tensors and does not
 load the base adapter again. The run it continues did start from one, so the checkpoint records

@@ -119,7 +119,7 @@ def test_a_checkpoint_copied_under_another_adapter_name(resident, ingestion, sto
     )
     assert result.status == "failed" and attach_calls == []
     assert f"the directory name is not '{src.name}'" in result.failure_message
-    # The original directory offered to a run of the other adapter: adapter_name drift.
+    # The checkpoint under its published name, offered to a run of the other adapter: adapter_name drift.
     result = train(
         resident, make_config(**CONFIG), ingestion, root, adapter_name="other", resume_checkpoint=src
     )

@@ -1,4 +1,4 @@
-"""A resume computes with the intra-op thread count its checkpoint recorded (kiln-contract §5).
+"""A resume computes with the intra-op thread count its checkpoint recorded (docs/checkpoints.md).
 
 CPU matmul and reduction kernels split work by torch's intra-op thread count, so one run trained
 with 2 threads and the same run with 1 thread end in different bits. A checkpoint records the
