@@ -30,13 +30,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "qualification"))
-
-from sft_template_oracle import _library_versions, oracle_input, run_kiln, run_oracle  # noqa: E402
 
 from kiln_train.artifacts.digest import file_sha256_hex  # noqa: E402
 from kiln_train.data.chat_template import NOTHINK_TEMPLATE_FILE, training_chat_template_sha256  # noqa: E402
 from kiln_train.data.tokenizer import build_tokenizer, write_tokenizer  # noqa: E402
+from qualification.sft_oracle.stack import library_versions, oracle_input, run_kiln, run_oracle  # noqa: E402
 
 FIXTURES = REPO / "qualification" / "fixtures"
 SOURCES = ("qwen35_sft_oracle_v1.json", "qwen35_sft_conversations_v1.json", "qwen35_sft_probe2_v1.json")
@@ -142,7 +140,7 @@ def build(hf_tokenizer, tokenizer) -> dict:
             "prompt, which SFT never renders."
         ),
         "regenerate": REGENERATE,
-        "versions": _library_versions(),
+        "versions": library_versions(),
         "templates": {
             "trl_think_sha256": file_sha256_hex(paths["think"]),
             "trl_nothink_sha256": file_sha256_hex(paths["nothink"]),

@@ -18,7 +18,7 @@ from kiln_train.data.chat_template import training_chat_template_sha256
 from kiln_train.data.ingestion import iter_example_outcomes
 from kiln_train.data.labels import IGNORE_INDEX, MASK_CONTRACT
 from kiln_train.data.tokenizer import vocabulary_file
-from tests.kiln_train.data.reference_fixtures import labels_from, load_fixture, oracle_module
+from tests.kiln_train.data.reference_fixtures import labels_from, load_fixture, oracle_generators
 
 FIXTURE_NAME = "qwen35_sft_conversations_v1.json"
 
@@ -29,8 +29,8 @@ def fixture():
 
 
 @pytest.fixture(scope="module")
-def oracle_script():
-    return oracle_module("sft_template_oracle")
+def generators():
+    return oracle_generators()
 
 
 def strings(value):
@@ -55,15 +55,13 @@ def test_header_pins_the_reference_stack_and_our_artifacts(fixture):
     assert "sft_template_oracle.py --write" in fixture["regenerate"]
 
 
-def test_fixture_rows_are_the_documented_generator_s(fixture, oracle_script):
+def test_fixture_rows_are_the_documented_generator_s(fixture, generators):
     generator = fixture["generator"]
     assert generator["function"] == "conversation_rows"
     assert generator["rows"] == len(fixture["cases"]) >= 300
-    rows = oracle_script.conversation_rows(generator["seed"], generator["rows"])
+    rows = generators.conversation_rows(generator["seed"], generator["rows"])
     assert [c["example"] for c in fixture["cases"]] == rows
-    assert [e["example"] for e in fixture["edges"]] == [
-        e["example"] for e in oracle_script.conversation_edges()
-    ]
+    assert [e["example"] for e in fixture["edges"]] == [e["example"] for e in generators.conversation_edges()]
 
 
 def test_fixture_reaches_the_corners_it_claims(fixture):

@@ -30,7 +30,7 @@ from kiln_train.data.conversation import parse_example
 from kiln_train.data.ingestion import ingest_examples, iter_example_outcomes, iter_jsonl_outcomes
 from kiln_train.data.labels import IGNORE_INDEX, MASK_CONTRACT
 from kiln_train.data.row_identity import parsed_row_sha256
-from tests.kiln_train.data.reference_fixtures import labels_from, load_fixture, oracle_module
+from tests.kiln_train.data.reference_fixtures import labels_from, load_fixture, oracle_generators
 
 FIXTURE_NAME = "qwen35_sft_probe2_v1.json"
 
@@ -41,11 +41,11 @@ def fixture():
 
 
 @pytest.fixture(scope="module")
-def oracle_script():
-    return oracle_module("sft_template_oracle_probe2")
+def generators():
+    return oracle_generators()
 
 
-def test_header_and_rows_are_the_documented_generator_s(fixture, oracle_script):
+def test_header_and_rows_are_the_documented_generator_s(fixture, generators):
     assert fixture["schema"] == "kiln.qwen35-sft-probe2.v1"
     assert fixture["mask_contract"] == MASK_CONTRACT
     assert (fixture["versions"]["transformers"], fixture["versions"]["trl"]) == ("5.23.0", "1.16.0")
@@ -53,11 +53,11 @@ def test_header_and_rows_are_the_documented_generator_s(fixture, oracle_script):
     assert "sft_template_oracle.py --write" in fixture["regenerate"]
     generator = fixture["generator"]
     assert generator["function"] == "probe2_rows"
-    named = [{"messages": m} for _, m in oracle_script.probe2_named()]
-    named += [row for _, row in oracle_script.probe2_tools_rows()]
-    rows = oracle_script.probe2_rows(generator["seed"], generator["rows"])
+    named = [{"messages": m} for _, m in generators.probe2_named()]
+    named += [row for _, row in generators.probe2_tools_rows()]
+    rows = generators.probe2_rows(generator["seed"], generator["rows"])
     assert [c["example"] for c in fixture["cases"]] == named + rows
-    assert [e["example"] for e in fixture["edges"]] == [e["example"] for e in oracle_script.probe2_edges()]
+    assert [e["example"] for e in fixture["edges"]] == [e["example"] for e in generators.probe2_edges()]
 
 
 def test_fixture_reaches_the_corners_it_claims(fixture):
