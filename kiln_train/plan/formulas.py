@@ -214,3 +214,47 @@ def loss_workspace_bytes(config: Qwen35Config, route: str, t: int, a: int, e: in
             e * t * v + (F32 * t * v if low else 0) + 3 * F32 * t * v + (e * t * v if low else 0) + e * t * h
         )
     raise invalid_request(f"no memory estimate for SFT loss route {route!r}; known: {list(ESTIMATED_ROUTES)}")
+
+
+# ----- the validation forward (no gradient) --------------------------------------------------------
+
+
+def forward_activation_bytes(config: Qwen35Config, t: int, r: int, e: int) -> int:
+    """Activations live while one layer runs forward without autograd: nothing is kept from layer
+    to layer, so the bound is the heaviest layer's tensors (what training saves of it bounds what
+    it creates and holds at once) plus its [T, h] input and output."""
+    return max(layer_activation_bytes(config, t, r, e)) + 2 * t * config.hidden_size * e
+
+
+def forward_boundary_bytes(config: Qwen35Config, t: int, e: int) -> int:
+    """Hidden states a validation forward keeps across layers: the embedding output, the final
+    RMSNorm's f32 input and its output, the rope tables."""
+    h = config.hidden_size
+    return t * (h * e + F32 * h + h * e + 2 * config.rotary_dim * e)
+
+
+def eval_loss_workspace_bytes(config: Qwen35Config, route: str, t: int, a: int, e: int) -> int:
+    """Peak bytes of the validation loss and token accuracy (kiln_train.train.evaluation).
+
+    kt_tape_flce (the chunked pass): the gathered rows [A, h] (e), their f32 upcast when e < 4,
+    the f32 target head rows and their product with the rows, the f32 [chunk, h] head slice when
+    e < 4, the f32 [A, chunk] scores with one reduction temporary, and per-row statistics (running
+    max, sum, arg-max, the target logit). No gradient accumulator, no [T, h] scatter.
+    full_logits: the dense [T, V] logits (e), their f32 copy when e < 4, one f32 [T, V]
+    log-softmax and the [T, h] hidden.
+    """
+    h, v = config.hidden_size, config.vocab_size
+    low = e < F32
+    if route == KT_TAPE_FLCE:
+        chunk = vocab_chunk_size(v, a)
+        return (
+            e * a * h
+            + (F32 * a * h if low else 0)
+            + 2 * F32 * a * h
+            + (F32 * chunk * h if low else 0)
+            + 2 * F32 * a * chunk
+            + 24 * F32 * a
+        )
+    if route == FULL_LOGITS:
+        return e * t * v + (F32 * t * v if low else 0) + F32 * t * v + e * t * h
+    raise invalid_request(f"no memory estimate for SFT loss route {route!r}; known: {list(ESTIMATED_ROUTES)}")
