@@ -15,9 +15,16 @@ from kiln.store import new_job_id, states
 from kiln_train.artifacts.digest import json_sha256
 from kiln_train.checkpoint.manifest import CHECKPOINT_PLAN_AUX_KEY
 from kiln_train.data.ingestion import IngestionResult, ingest_examples, ingest_jsonl, resolve_dataset_path
+from kiln_train.data.validation import ValidationSet, prepare_validation
 from kiln_train.errors import backend_unsupported
 from kiln_train.plan.budget import available_budget
-from kiln_train.plan.segments import SegmentPlan, check_row_plan_fits, plan_segments
+from kiln_train.plan.memory import Breakdown
+from kiln_train.plan.segments import (
+    SegmentPlan,
+    check_row_plan_fits,
+    plan_segments,
+    plan_validation_forward,
+)
 from kiln_train.sft_config import SftConfig, SftRequest
 
 CHECKPOINT_BOUNDARY = "contiguous"
@@ -34,6 +41,14 @@ class AdmissionPlan:
     auto_segments: bool  # rows get the fewest segments that fit (planned, not given by the request)
     resume: ResumePoint | None
     budget_bytes: int  # the budget an auto plan's rows are planned against (a resume: the checkpoint's)
+    validation: ValidationSet | None = None  # the held-out rows (docs/validation.md)
+    validation_breakdown: Breakdown | None = None  # their forward's working set
+
+    @property
+    def memory_estimate_bytes(self) -> int:
+        """What the run needs at its peak: a training step or a validation forward."""
+        forward = self.validation_breakdown.total if self.validation_breakdown is not None else 0
+        return max(self.segments.breakdown.total, forward)
 
 
 def prepare_plan(svc: Services, request: SftRequest, target: RunnerTarget) -> AdmissionPlan:
@@ -54,8 +69,10 @@ def prepare_plan(svc: Services, request: SftRequest, target: RunnerTarget) -> Ad
     recorded = _recorded_plan(resume)
     auto_segments = recorded["auto"] if recorded is not None else config.grad_checkpoint_segments is None
     ingestion = _ingest(svc, request, config, target)  # (8)
+    ingestion, validation = _validation(svc, request, config, target, ingestion)
     check_output_name_fits(config.output_name, config.epochs * len(ingestion.rows))
     segments = _plan_memory(svc, config, target, ingestion)  # (9)
+    forward = _plan_validation(config, target, validation, segments.available_bytes)
     budget = segments.available_bytes
     if recorded is not None and recorded["auto"]:
         # The resumed rows must get the segments they had: re-derive them from the checkpoint's
@@ -80,8 +97,21 @@ def prepare_plan(svc: Services, request: SftRequest, target: RunnerTarget) -> Ad
             ingestion.receipt["kept_corpus_sha256"],
             len(ingestion.rows),
             config.epochs * len(ingestion.rows),
+            validation.identity() if validation is not None else None,
         )
-    return AdmissionPlan(job_id, config, request, target, ingestion, segments, auto_segments, resume, budget)
+    return AdmissionPlan(
+        job_id,
+        config,
+        request,
+        target,
+        ingestion,
+        segments,
+        auto_segments,
+        resume,
+        budget,
+        validation,
+        forward,
+    )
 
 
 def _recorded_plan(resume: ResumePoint | None) -> dict | None:
@@ -107,6 +137,43 @@ def _ingest(svc: Services, request: SftRequest, config: SftConfig, target: Runne
         policy=config.invalid_row_policy,
         source="dataset_path",
         source_locator=request.dataset_path,
+    )
+
+
+def _validation(
+    svc: Services, request: SftRequest, config: SftConfig, target: RunnerTarget, ingestion: IngestionResult
+) -> tuple[IngestionResult, ValidationSet | None]:
+    """The held-out rows: their own ingestion (same tokenizer, template and policy) or the seeded
+    holdout of the submitted rows, which then leave the training rows."""
+    if request.validation is None:
+        return ingestion, None
+    tokenizer = svc.tokenizers.get(target.model_path, target.identity.get("tokenizer_vocab_sha256"))
+    return prepare_validation(
+        request.validation,
+        ingestion,
+        tokenizer=tokenizer,
+        policy=config.invalid_row_policy,
+        seed=config.seed,
+        datasets_root=svc.settings.datasets_dir,
+    )
+
+
+def _plan_validation(
+    config: SftConfig, target: RunnerTarget, validation: ValidationSet | None, available: int
+) -> Breakdown | None:
+    """The validation forward over the longest held-out row must fit the same budget (413)."""
+    if validation is None:
+        return None
+    return plan_validation_forward(
+        target.model,
+        max_seq_len=validation.max_seq_len,
+        max_supervised_tokens=validation.max_supervised_tokens,
+        lora_rank=config.lora_rank,
+        optimizer_kind=config.optimizer.kind,
+        loss_route=target.loss_route,
+        backend=target.backend,
+        weights_resident=True,
+        available_bytes=available,
     )
 
 
@@ -167,6 +234,8 @@ def admission_fields(plan: AdmissionPlan) -> dict:
     inline = plan.request.examples is not None
     breakdown = segments.breakdown.to_dict()
     breakdown["available_bytes"] = segments.available_bytes
+    if plan.validation_breakdown is not None:
+        breakdown["validation_forward"] = plan.validation_breakdown.to_dict()
     return {
         "loss_route": plan.target.loss_route,
         "optimizer": {"learning_rate": config.learning_rate, **config.optimizer.model_dump(mode="json")},
@@ -177,7 +246,7 @@ def admission_fields(plan: AdmissionPlan) -> dict:
             "boundary": CHECKPOINT_BOUNDARY,
             "resume_from": plan.resume.pin() if plan.resume else None,
         },
-        "memory_estimate_bytes": segments.breakdown.total,
+        "memory_estimate_bytes": plan.memory_estimate_bytes,
         "memory_breakdown": breakdown,
         "execution_identity_digest": plan.target.execution_identity_digest,
         "runner_id": plan.target.runner_id,
@@ -190,7 +259,15 @@ def admission_fields(plan: AdmissionPlan) -> dict:
         "dataset_path": None if inline else plan.request.dataset_path,
         "max_seq_len": ingestion.max_seq_len,
         "max_supervised_tokens": ingestion.max_supervised_tokens,
+        "validation": validation_pin(plan.request),
     }
+
+
+def validation_pin(request: SftRequest) -> dict | None:
+    """The request's `validation` as the admission row keeps it (what the worker re-derives)."""
+    if request.validation is None:
+        return None
+    return request.validation.model_dump(mode="json", exclude_none=True)
 
 
 def first_event(plan: AdmissionPlan) -> dict:
@@ -203,7 +280,8 @@ def first_event(plan: AdmissionPlan) -> dict:
             "rows_rejected": plan.ingestion.receipt["rows_rejected"],
             "total_steps": plan.config.epochs * len(plan.ingestion.rows),
             "grad_checkpoint_segments": plan.segments.num_segments,
-            "memory_estimate_bytes": plan.segments.breakdown.total,
+            "memory_estimate_bytes": plan.memory_estimate_bytes,
             "resume_checkpoint": plan.resume.path.name if plan.resume else None,
+            **({"validation_rows": len(plan.validation.rows)} if plan.validation is not None else {}),
         },
     }
