@@ -64,13 +64,13 @@ def sft_config(options: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def read_examples(path: Path, policy: str | None) -> tuple[list[dict], list[int]]:
+def read_examples(path: Path, policy: str | None, flag: str = "--data") -> tuple[list[dict], list[int]]:
     """The JSONL file's rows as parsed objects, and each row's line number. A line that is not a
     JSON object cannot travel inline (the server's skip policy needs the raw line to hash it)."""
     try:
         raw = path.read_bytes()
     except OSError as exc:
-        raise InputError(f"--data {path}: {exc.strerror or exc}") from None
+        raise InputError(f"{flag} {path}: {exc.strerror or exc}") from None
     rows: list[dict] = []
     lines: list[int] = []
     bad: list[str] = []
@@ -135,9 +135,16 @@ def read_smoke_prompts(path: Path) -> list[str]:
     return [text.rstrip("\r\n")]
 
 
-def annotate_rows(err: ApiError, lines: list[int], path: Path) -> None:
-    """Name the file line behind a row the server refers to (`examples[i]`, `SFT row n`)."""
-    for match in re.finditer(r"examples\[(\d+)\]", err.message):
+def annotate_rows(
+    err: ApiError,
+    lines: list[int],
+    path: Path,
+    validation_lines: list[int] | None = None,
+    validation_path: Path | None = None,
+) -> None:
+    """Name the file line behind a row the server refers to (`examples[i]`, `SFT row n`, and for
+    held-out rows sent with --validation-data `validation.examples[i]`, `SFT validation row n`)."""
+    for match in re.finditer(r"(?<!validation\.)examples\[(\d+)\]", err.message):
         index = int(match.group(1))
         if index < len(lines):
             err.notes.append(f"examples[{index}] is line {lines[index]} of {path}")
@@ -145,6 +152,49 @@ def annotate_rows(err: ApiError, lines: list[int], path: Path) -> None:
         row = int(match.group(1))
         if 1 <= row <= len(lines):
             err.notes.append(f"SFT row {row} is line {lines[row - 1]} of {path}")
+    if not validation_lines or validation_path is None:
+        return
+    for match in re.finditer(r"validation\.examples\[(\d+)\]", err.message):
+        index = int(match.group(1))
+        if index < len(validation_lines):
+            err.notes.append(
+                f"validation.examples[{index}] is line {validation_lines[index]} of {validation_path}"
+            )
+    for match in re.finditer(r"SFT validation row (\d+)", err.message):
+        row = int(match.group(1))
+        if 1 <= row <= len(validation_lines):
+            err.notes.append(
+                f"SFT validation row {row} is line {validation_lines[row - 1]} of {validation_path}"
+            )
+
+
+def validation_body(
+    validation_data: str | None,
+    holdout_percent: int | None,
+    interval: int | None,
+    *,
+    as_dataset_path: bool,
+    policy: str | None,
+) -> tuple[dict[str, Any] | None, list[int]]:
+    """The request's `validation` from --validation-data / --holdout-percent /
+    --validation-interval (None without either), and the validation file's row lines."""
+    if validation_data is not None and holdout_percent is not None:
+        raise click.UsageError("give --validation-data or --holdout-percent, not both")
+    if validation_data is None and holdout_percent is None:
+        if interval is not None:
+            raise click.UsageError("--validation-interval needs --validation-data or --holdout-percent")
+        return None, []
+    lines: list[int] = []
+    if holdout_percent is not None:
+        body: dict[str, Any] = {"holdout_percent": holdout_percent}
+    elif as_dataset_path:
+        body = {"dataset_path": validation_data}
+    else:
+        examples, lines = read_examples(Path(validation_data), policy, "--validation-data")
+        body = {"examples": examples}
+    if interval is not None:
+        body["interval_steps"] = interval
+    return body, lines
 
 
 def wait_for_job(client: ApiClient, admission: dict, interval: float) -> dict:
