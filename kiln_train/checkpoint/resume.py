@@ -31,6 +31,7 @@ from kiln_train.checkpoint.load import LoadedCheckpoint
 from kiln_train.checkpoint.manifest import (
     BASE_ADAPTER_AUX_KEY,
     DATA_SOURCE_KIND,
+    VALIDATION_AUX_KEY,
     VALIDATION_HISTORY_AUX_KEY,
     CheckpointManifest,
     DataIdentity,
@@ -215,6 +216,12 @@ def compare_for_resume(manifest: CheckpointManifest, expected: ResumeExpectation
         "auxiliary_state.execution_provenance.provenance_sha256",
         _get(ours_aux, "execution_provenance", "provenance_sha256"),
         _get(theirs_aux, "execution_provenance", "provenance_sha256"),
+    )
+    # The held-out validation corpus and schedule, named before the digests that also cover it.
+    _require_equal(
+        f"auxiliary_state.{VALIDATION_AUX_KEY}",
+        ours_aux.get(VALIDATION_AUX_KEY, _ABSENT),
+        theirs_aux.get(VALIDATION_AUX_KEY, _ABSENT),
     )
     _require_equal("auxiliary_state", ours_aux, theirs_aux)
     epochs = manifest.effective_config.get("epochs")
