@@ -110,7 +110,11 @@ def test_a_holdout_takes_rows_out_of_training_by_the_run_seed(client, sessions, 
         ({"holdout_percent": 10, "bogus": 1}, {}, "validation.bogus: unknown field"),
         ({"holdout_percent": 10, "examples": [example(1)]}, {}, "validation: exactly one of"),
         ({"holdout_percent": 51}, {}, "validation.holdout_percent: Input should be less than or equal to 50"),
-        ({"holdout_percent": 5, "interval_steps": 0}, {}, "validation.interval_steps: Input should be greater"),
+        (
+            {"holdout_percent": 5, "interval_steps": 0},
+            {},
+            "validation.interval_steps: Input should be greater",
+        ),
         ({"examples": [example(1), {"messages": 7}]}, {}, "validation.examples[1]: "),
         ({"examples": [example(1), NO_TARGET]}, {}, "SFT validation row 2 (sha256:"),
         (
@@ -252,8 +256,14 @@ def test_a_resume_must_bring_the_same_validation(client, sessions, settings, eng
     resume = {**request, "config": {**request["config"], "resume_checkpoint": point.name}}
     before = snapshot(engine, broker, storage)
     for changed, fragment in (
-        ({**validation, "examples": [example(22)]}, "auxiliary_state.validation.rows: checkpoint 2, request 1"),
-        ({**validation, "interval_steps": 3}, "auxiliary_state.validation.interval_steps: checkpoint 2, request 3"),
+        (
+            {**validation, "examples": [example(22)]},
+            "auxiliary_state.validation.rows: checkpoint 2, request 1",
+        ),
+        (
+            {**validation, "interval_steps": 3},
+            "auxiliary_state.validation.interval_steps: checkpoint 2, request 3",
+        ),
         (None, "auxiliary_state.validation: checkpoint {"),
     ):
         drifted = {k: v for k, v in resume.items() if k != "validation"}
