@@ -122,6 +122,9 @@ def main() -> None:
     p.add_argument("--validation-rows", type=int, default=2)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--layers", type=int, help="override the preset's layer count (a trunk-heavier shape, for contrast)"
+    )
     args = p.parse_args()
 
     import torch

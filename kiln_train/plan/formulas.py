@@ -218,6 +218,20 @@ def loss_workspace_bytes(config: Qwen35Config, route: str, t: int, a: int, e: in
 
 # ----- the validation forward (no gradient) --------------------------------------------------------
 
+# The validation pass scores one block of [rows, columns] at a time, small enough that its
+# element-wise passes (max, exp, sum) run from cache: at most 1024 vocabulary columns, and as many
+# supervised rows as keep the f32 block within VALIDATION_SCORE_BLOCK_BYTES. Training's chunk
+# (`vocab_chunk_size`) is larger because its gradient accumulator needs the whole row set per chunk.
+VALIDATION_VOCAB_CHUNK = 1024
+VALIDATION_SCORE_BLOCK_BYTES = 8 * MIB
+
+
+def validation_score_block(vocab_size: int, active_rows: int) -> tuple[int, int]:
+    """(rows, columns) of one f32 score block of the validation pass (kiln_train.train.evaluation)."""
+    columns = max(1, min(vocab_size, VALIDATION_VOCAB_CHUNK))
+    rows = max(1, min(active_rows, VALIDATION_SCORE_BLOCK_BYTES // (F32 * columns)))
+    return rows, columns
+
 
 def forward_activation_bytes(config: Qwen35Config, t: int, r: int, e: int) -> int:
     """Activations live while one layer runs forward without autograd: nothing is kept from layer
@@ -236,23 +250,24 @@ def forward_boundary_bytes(config: Qwen35Config, t: int, e: int) -> int:
 def eval_loss_workspace_bytes(config: Qwen35Config, route: str, t: int, a: int, e: int) -> int:
     """Peak bytes of the validation loss and token accuracy (kiln_train.train.evaluation).
 
-    kt_tape_flce (the chunked pass): the gathered rows [A, h] (e), their f32 upcast when e < 4,
+    kt_tape_flce (the blocked pass): the gathered rows [A, h] (e), their f32 upcast when e < 4,
     the f32 target head rows and their product with the rows, the f32 [chunk, h] head slice when
-    e < 4, the f32 [A, chunk] scores with one reduction temporary, and per-row statistics (running
-    max, sum, arg-max, the target logit). No gradient accumulator, no [T, h] scatter.
+    e < 4, one f32 score block (`validation_score_block`) with one reduction temporary, and per-row
+    statistics (running max, sum, arg-max, the target logit, the block's max and arg-max). No
+    gradient accumulator, no [T, h] scatter.
     full_logits: the dense [T, V] logits (e), their f32 copy when e < 4, one f32 [T, V]
     log-softmax and the [T, h] hidden.
     """
     h, v = config.hidden_size, config.vocab_size
     low = e < F32
     if route == KT_TAPE_FLCE:
-        chunk = vocab_chunk_size(v, a)
+        rows, chunk = validation_score_block(v, a)
         return (
             e * a * h
             + (F32 * a * h if low else 0)
             + 2 * F32 * a * h
             + (F32 * chunk * h if low else 0)
-            + 2 * F32 * a * chunk
+            + 2 * F32 * rows * chunk
             + 24 * F32 * a
         )
     if route == FULL_LOGITS:

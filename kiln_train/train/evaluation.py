@@ -8,10 +8,11 @@ supervised next-token target its cross-entropy and whether the arg-max predictio
     loss           = Σ CE over all supervised targets of all rows / their number (token-weighted)
     token_accuracy = targets whose arg-max is the target / their number
 
-On `kt_tape_flce` the scores are computed one vocabulary chunk at a time
+On `kt_tape_flce` the scores are computed one block of rows and vocabulary columns at a time
 (`chunked_validation_stats`, the forward of `loss.ChunkedLinearCrossEntropy` without the gradient
-accumulator): per row a running max, its arg-max (the first index of the maximum, as
-`torch.argmax`) and the running sum of exponentials, so the `[T, V]` logits never exist. On
+accumulator): per row the running max and sum of exponentials, the target's score, and the largest
+score before and after the target's column, which decide whether the arg-max (the first index of
+the maximum, as `torch.argmax`) is the target; the `[T, V]` logits never exist. On
 `full_logits` the dense logits are used, as the route does for training.
 
 An evaluation touches nothing a training step reads: no parameter, gradient, optimizer state or
@@ -31,7 +32,7 @@ import torch
 from kiln_train.data.ingestion import TokenizedRow
 from kiln_train.errors import TrainingFailure
 from kiln_train.plan.backend import FULL_LOGITS, KT_TAPE_FLCE
-from kiln_train.plan.formulas import vocab_chunk_size
+from kiln_train.plan.formulas import validation_score_block
 from kiln_train.train.loss import IGNORE_INDEX, LOSS_ROUTES
 
 EVALUATION_FIELDS = ("global_step", "epoch", "loss", "token_accuracy")
@@ -80,35 +81,63 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def chunked_validation_stats(
-    active: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int
+    active: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk: int,
+    block_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row cross-entropy and arg-max of `active @ weight^T` against `targets`, one vocabulary
-    chunk at a time: `([A] CE in the accumulation dtype, [A] arg-max index)`.
+    """Per-row cross-entropy of `active @ weight^T` against `targets`, and whether the arg-max is
+    the target, one `[block_rows, chunk]` score block at a time: `([A] CE in the accumulation
+    dtype, [A] bool)`.
 
-    A chunk's maximum replaces the running one only when strictly larger, so ties keep the first
-    index, as an arg-max over the whole row does.
+    Per row: the running maximum and the rescaled sum of exponentials (the log-sum-exp), the
+    target's own score as the block computed it, and the largest score before and after the
+    target's column. The arg-max (the first index of the maximum, as `torch.argmax`) is the target
+    exactly when every earlier score is smaller and no later one larger, so no arg-max pass over
+    the scores is needed. Rows are independent, so blocking them changes no value; the blocks are
+    sized (`plan.formulas.validation_score_block`) to keep the element-wise passes in cache.
     """
     acc = _accumulation_dtype(active.dtype)
     rows = active.shape[0]
-    h = active.to(acc)
-    target_logit = (h * weight.index_select(0, targets).to(acc)).sum(1)
-    running_max = torch.full((rows,), float("-inf"), dtype=acc, device=active.device)
-    running_arg = torch.zeros(rows, dtype=torch.long, device=active.device)
-    running_sum = torch.zeros(rows, dtype=acc, device=active.device)
-    for start in range(0, weight.shape[0], chunk):
-        w = weight[start : start + chunk].to(acc)
-        scores = h @ w.t()  # [A, chunk]
-        chunk_max, chunk_arg = scores.max(1)
-        better = chunk_max > running_max
-        running_arg = torch.where(better, chunk_arg + start, running_arg)
-        new_max = torch.maximum(running_max, chunk_max)
-        rescale = torch.exp(running_max - new_max)
-        scores.sub_(new_max.unsqueeze(1)).exp_()
-        running_sum.mul_(rescale).add_(scores.sum(1))
-        running_max = new_max
-        del scores, w
-    ce = running_max + running_sum.log() - target_logit
-    return ce, running_arg
+    block_rows = block_rows or rows
+    ce_parts, hit_parts = [], []
+    for first in range(0, rows, block_rows):
+        h = active[first : first + block_rows].to(acc)
+        wanted = targets[first : first + block_rows]
+        n = h.shape[0]
+        full = (n,)
+        running_max = torch.full(full, float("-inf"), dtype=acc, device=active.device)
+        running_sum = torch.zeros(full, dtype=acc, device=active.device)
+        target_score = torch.zeros(full, dtype=acc, device=active.device)
+        before = torch.full(full, float("-inf"), dtype=acc, device=active.device)
+        after = torch.full(full, float("-inf"), dtype=acc, device=active.device)
+        for start in range(0, weight.shape[0], chunk):
+            w = weight[start : start + chunk].to(acc)
+            scores = h @ w.t()  # [n, chunk]
+            width = scores.shape[1]
+            block_max = scores.amax(1)
+            before = torch.where(wanted >= start + width, torch.maximum(before, block_max), before)
+            after = torch.where(wanted < start, torch.maximum(after, block_max), after)
+            inside = ((wanted >= start) & (wanted < start + width)).nonzero().squeeze(1)
+            if inside.numel():
+                local = (wanted.index_select(0, inside) - start).unsqueeze(1)
+                own = scores.index_select(0, inside)
+                columns = torch.arange(width, device=active.device).unsqueeze(0)
+                target_score[inside] = own.gather(1, local).squeeze(1)
+                low = torch.where(columns < local, own, float("-inf")).amax(1)
+                high = torch.where(columns > local, own, float("-inf")).amax(1)
+                before[inside] = torch.maximum(before.index_select(0, inside), low)
+                after[inside] = torch.maximum(after.index_select(0, inside), high)
+            new_max = torch.maximum(running_max, block_max)
+            rescale = torch.exp(running_max - new_max)
+            scores.sub_(new_max.unsqueeze(1)).exp_()
+            running_sum.mul_(rescale).add_(scores.sum(1))
+            running_max = new_max
+            del scores, w
+        ce_parts.append(running_max + running_sum.log() - target_score)
+        hit_parts.append((before < target_score) & (after <= target_score))
+    return torch.cat(ce_parts), torch.cat(hit_parts)
 
 
 def row_validation_stats(
@@ -129,19 +158,15 @@ def row_validation_stats(
     weight = head_weight.detach()
     if route == KT_TAPE_FLCE:
         active = hidden.index_select(0, positions)
-        chunk = vocab_chunk_size(weight.shape[0], positions.shape[0])
-        ce, arg = chunked_validation_stats(active, weight, wanted, chunk)
+        block_rows, chunk = validation_score_block(weight.shape[0], positions.shape[0])
+        ce, hit = chunked_validation_stats(active, weight, wanted, chunk, block_rows)
     else:
         assert route == FULL_LOGITS
         logits = hidden[:-1].index_select(0, positions) @ weight.t()
         acc = _accumulation_dtype(logits.dtype)
         ce = torch.nn.functional.cross_entropy(logits.to(acc), wanted, reduction="none")
-        arg = logits.argmax(1)
-    return RowStats(
-        ce_sum=float(ce.sum()),
-        correct=int((arg == wanted).sum()),
-        targets=int(positions.numel()),
-    )
+        hit = logits.argmax(1) == wanted
+    return RowStats(ce_sum=float(ce.sum()), correct=int(hit.sum()), targets=int(positions.numel()))
 
 
 def evaluate(

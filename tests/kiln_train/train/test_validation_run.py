@@ -161,14 +161,19 @@ def test_the_chunked_pass_equals_dense_logits_without_them(resident, ingestion):
     assert stats.ce_sum == pytest.approx(float(dense_ce), rel=1e-6)
     assert stats.ce_sum / stats.targets == pytest.approx(float(mean), rel=1e-6)
     assert stats.correct == int((logits[mask].argmax(1) == targets[mask]).sum())
-    # Ties keep the first index across chunks, as a whole-row arg-max does.
-    weight = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [1.0, 0.0]])
-    active = torch.tensor([[2.0, 1.0], [0.0, 3.0]])
-    for chunk in (1, 2, 3, 4):
-        ce, arg = chunked_validation_stats(active, weight, torch.tensor([2, 1]), chunk)
-        assert arg.tolist() == (active @ weight.t()).argmax(1).tolist() == [0, 1]
-        dense = torch.nn.functional.cross_entropy(active @ weight.t(), torch.tensor([2, 1]), reduction="none")
-        assert torch.allclose(ce, dense)
+    # Ties: the arg-max is the first index of the maximum, across chunks and within one.
+    weight = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [1.0, 0.0], [0.0, 1.0]])
+    active = torch.tensor([[2.0, 1.0], [0.0, 3.0], [2.0, 1.0], [2.0, 1.0], [0.0, 3.0]])
+    targets = torch.tensor([2, 1, 0, 3, 4])
+    dense = active @ weight.t()
+    expected = (dense.argmax(1) == targets).tolist()
+    assert expected == [False, True, True, False, False]
+    for chunk in (1, 2, 3, 4, 5):
+        for block_rows in (None, 1, 2):
+            ce, hit = chunked_validation_stats(active, weight, targets, chunk, block_rows)
+            assert hit.tolist() == expected, (chunk, block_rows)
+            reference = torch.nn.functional.cross_entropy(dense, targets, reduction="none")
+            assert torch.allclose(ce, reference)
 
 
 def test_checkpoints_bind_the_validation_corpus_and_carry_the_history(resident, ingestion, tmp_path):
