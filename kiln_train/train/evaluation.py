@@ -112,9 +112,15 @@ def chunked_validation_stats(
         target_score = torch.zeros(full, dtype=acc, device=active.device)
         before = torch.full(full, float("-inf"), dtype=acc, device=active.device)
         after = torch.full(full, float("-inf"), dtype=acc, device=active.device)
+        # One score buffer for the block's full-width chunks: a fresh block per chunk would be
+        # mapped and faulted in again every time under the worker's allocator policy.
+        buffer = torch.empty((n, chunk), dtype=acc, device=active.device)
         for start in range(0, weight.shape[0], chunk):
             w = weight[start : start + chunk].to(acc)
-            scores = h @ w.t()  # [n, chunk]
+            if w.shape[0] == chunk:
+                scores = torch.mm(h, w.t(), out=buffer)  # [n, chunk]
+            else:
+                scores = h @ w.t()
             width = scores.shape[1]
             block_max = scores.amax(1)
             before = torch.where(wanted >= start + width, torch.maximum(before, block_max), before)
@@ -135,6 +141,7 @@ def chunked_validation_stats(
             running_sum.mul_(rescale).add_(scores.sum(1))
             running_max = new_max
             del scores, w
+        del buffer
         ce_parts.append(running_max + running_sum.log() - target_score)
         hit_parts.append((before < target_score) & (after <= target_score))
     return torch.cat(ce_parts), torch.cat(hit_parts)
