@@ -1,4 +1,4 @@
-"""The HTTP front door (DESIGN.md §1): Flask app factory, blueprints, admission. No torch."""
+"""The HTTP service (docs/ARCHITECTURE.md#processes): Flask app factory, blueprints, admission. No torch."""
 
 from api.app import create_app
 

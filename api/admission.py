@@ -1,4 +1,4 @@
-"""SFT admission: `POST /v1/train/sft` from body to queued job (kiln-contract §1.5, DESIGN.md §1).
+"""SFT admission: `POST /v1/train/sft` from body to queued job (docs/ARCHITECTURE.md#the-path-of-one-job).
 
 Order: (1) validate the request; (2) Idempotency-Key replay or 422; (3) queue limits; (4) the
 live runner; (5) static gates and the output name; (6) resume checkpoint; (7) defaults (learning
@@ -8,8 +8,9 @@ admission, the job and its first event — limits, key and name re-checked insid
 admissions serialised (SQLite's write lock, a Postgres advisory lock) so queue order is commit
 order; (11) publish with task_id = job_id, then mark published.
 
-The checks that need no store live in api.admission_checks, steps 6-9 and the rows of step 10
-in api.admission_plan; this module runs them in order and holds the transaction. Steps 1-9
+The checks that need no store live in api.admission_checks and, shared with the library's
+`finetune`, in kiln_train/plan/ (names.py, gates.py); steps 6-9 and the rows of step 10 in
+api.admission_plan; this module runs them in order and holds the transaction. Steps 1-9
 write nothing, so a rejected request leaves no row, no message and no file. No database
 transaction is held across ingestion or memory planning.
 
@@ -21,7 +22,6 @@ can neither replay nor block another caller's job.
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,10 +30,8 @@ from sqlalchemy.orm import Session
 
 from api.admission_checks import (
     IdempotencyKey,
-    check_base_adapter,
     check_dataset_path_length,
     check_idempotency_key,
-    check_request_names,
     request_fingerprint,
 )
 from api.admission_plan import AdmissionPlan, admission_fields, first_event, job_fields, prepare_plan
@@ -45,7 +43,7 @@ from api.errors import (
     ApiError,
 )
 from api.queries import active_jobs_for_adapter, admission_summaries
-from api.runner_gate import check_static_gates, runner_target
+from api.runner_gate import runner_target
 from api.services import Services
 from kiln.broker import publish_job
 from kiln.store import (
@@ -59,11 +57,12 @@ from kiln.store import (
     live_runner,
     mark_published,
 )
-from kiln_train.checkpoint.manifest import CHECKPOINT_SUFFIX
 from kiln_train.errors import (
     ADAPTER_ALREADY_EXISTS,
     KilnError,
 )
+from kiln_train.plan.gates import check_base_adapter, check_static_gates
+from kiln_train.plan.names import check_no_later_checkpoints, check_request_names
 from kiln_train.sft_config import SftRequest, parse_sft_request
 
 log = logging.getLogger(__name__)
@@ -175,7 +174,7 @@ def plan_sft(svc: Services, request: SftRequest) -> AdmissionPlan:
 
 
 def publish(svc: Services, job_id: str) -> bool:
-    """Ring the doorbell and record it; a broker failure leaves the job for the reconciler."""
+    """Publish the job's queue message and record it; a broker failure leaves the job for the reconciler."""
     try:
         publish_job(svc.celery, job_id, svc.settings.queue.queue_name)
     except Exception:
@@ -185,8 +184,8 @@ def publish(svc: Services, job_id: str) -> bool:
         with svc.sessions.begin() as session:
             mark_published(session, job_id)
     except Exception:
-        # The job is admitted and its doorbell rang; failing the request now would invite a
-        # duplicate submission. The reconciler rings again (a duplicate doorbell is dropped).
+        # The job is admitted and its message went out; failing the request now would invite a
+        # duplicate submission. The reconciler publishes again (a duplicate message is dropped).
         log.exception("job %s was published but could not be marked published", job_id)
     return True
 
@@ -247,34 +246,11 @@ def _check_adapter_free(session: Session, svc: Services, name: str | None) -> No
         raise KilnError(ADAPTER_ALREADY_EXISTS, reason)
 
 
-def checkpoint_steps(adapters_dir: Path, name: str) -> dict[int, str]:
-    """The adapter's exact checkpoint directories in the registry, by global step."""
-    pattern = re.compile(rf"{re.escape(name)}-checkpoint-step-([0-9]{{8,}}){re.escape(CHECKPOINT_SUFFIX)}")
-    found: dict[int, str] = {}
-    if adapters_dir.is_dir():
-        for entry in adapters_dir.iterdir():
-            match = pattern.fullmatch(entry.name)
-            if match is not None:
-                found[int(match.group(1))] = entry.name
-    return found
-
-
 def _check_no_later_checkpoints(svc: Services, plan: AdmissionPlan) -> None:
-    """A run publishes `<name>-checkpoint-step-N` for steps past its start and never overwrites
-    one: a directory an earlier run left at such a step would fail this job half way through."""
-    start = plan.resume.manifest.progress.global_step if plan.resume else 0
     name = plan.config.output_name
     assert name is not None
-    later = sorted(step for step in checkpoint_steps(svc.settings.adapters_dir, name) if step > start)
-    if later:
-        existing = checkpoint_steps(svc.settings.adapters_dir, name)[later[0]]
-        where = f"after the resume point (step {start})" if plan.resume else "from an earlier run"
-        raise KilnError(
-            ADAPTER_ALREADY_EXISTS,
-            f"exact checkpoint {existing!r} of adapter {name!r} exists {where}; this run would have to "
-            "publish that name again. Resume from the newest checkpoint with config.resume_checkpoint "
-            "or choose another output_name",
-        )
+    start = plan.resume.manifest.progress.global_step if plan.resume else 0
+    check_no_later_checkpoints(svc.settings.adapters_dir, name, start, resumed=plan.resume is not None)
 
 
 def lock_admissions(session: Session) -> None:

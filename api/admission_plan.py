@@ -7,27 +7,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from api.admission_checks import IdempotencyKey, check_output_name_fits
-from api.resume_gate import ResumePoint, adopt_checkpoint_fields, check_resume_identity, load_resume_point
-from api.runner_gate import RunnerTarget, check_static_gates, check_training_template
+from api.admission_checks import IdempotencyKey
+from api.runner_gate import RunnerTarget, check_training_template
 from api.services import Services
 from kiln.store import new_job_id, states
 from kiln_train.artifacts.digest import json_sha256
-from kiln_train.checkpoint.manifest import CHECKPOINT_PLAN_AUX_KEY
 from kiln_train.data.ingestion import IngestionResult, ingest_examples, ingest_jsonl, resolve_dataset_path
 from kiln_train.data.validation import ValidationSet, prepare_validation
 from kiln_train.errors import backend_unsupported
 from kiln_train.plan.budget import available_budget
 from kiln_train.plan.memory import Breakdown
-from kiln_train.plan.segments import (
-    SegmentPlan,
-    check_row_plan_fits,
-    plan_segments,
-    plan_validation_forward,
-)
+from kiln_train.plan.resume_point import ResumePoint
+from kiln_train.plan.run_plan import checkpoint_plan_record, plan_run
+from kiln_train.plan.segments import SegmentPlan
 from kiln_train.sft_config import SftConfig, SftRequest
-
-CHECKPOINT_BOUNDARY = "contiguous"
 
 
 @dataclass(frozen=True)
@@ -52,74 +45,33 @@ class AdmissionPlan:
 
 
 def prepare_plan(svc: Services, request: SftRequest, target: RunnerTarget) -> AdmissionPlan:
+    """Steps 6-9 (`kiln_train/plan/run_plan.py: plan_run`) with the runner's tokenizer and the
+    budget its registered free memory leaves; the default output name follows the job id."""
     settings = svc.settings
     job_id = new_job_id()
-    config = request.config
-    resume = None
-    if config.resume_checkpoint is not None:  # (6)
-        resume = load_resume_point(config, settings.adapters_dir)
-        config = adopt_checkpoint_fields(config, resume)
-        check_static_gates(target, config)
-    defaults: dict = {}  # (7)
-    if config.checkpoint_interval is None and settings.training.checkpoint_interval is not None:
-        defaults["checkpoint_interval"] = settings.training.checkpoint_interval
-    if config.output_name is None:
-        defaults["output_name"] = f"sft-{job_id[:8]}"
-    config = config.model_copy(update=defaults).resolve(seed=resume.seed if resume else None)
-    recorded = _recorded_plan(resume)
-    auto_segments = recorded["auto"] if recorded is not None else config.grad_checkpoint_segments is None
-    ingestion = _ingest(svc, request, config, target)  # (8)
-    ingestion, validation = _validation(svc, request, config, target, ingestion)
-    check_output_name_fits(config.output_name, config.epochs * len(ingestion.rows))
-    segments = _plan_memory(svc, config, target, ingestion)  # (9)
-    forward = _plan_validation(config, target, validation, segments.available_bytes)
-    budget = segments.available_bytes
-    if recorded is not None and recorded["auto"]:
-        # The resumed rows must get the segments they had: re-derive them from the checkpoint's
-        # budget (not today's) and check that each row's bound still fits today.
-        budget = int(recorded["budget_bytes"])
-        check_row_plan_fits(
-            target.model,
-            [(r.seq_len, r.supervised_tokens) for r in ingestion.rows],
-            recorded,
-            lora_rank=config.lora_rank,
-            optimizer_kind=config.optimizer.kind,
-            loss_route=target.loss_route,
-            backend=target.backend,
-            weights_resident=True,
-            available_bytes=segments.available_bytes,
-        )
-    config = config.model_copy(update={"grad_checkpoint_segments": segments.num_segments})
-    if resume is not None:
-        check_resume_identity(
-            resume,
-            config.to_json(),
-            ingestion.receipt["kept_corpus_sha256"],
-            len(ingestion.rows),
-            config.epochs * len(ingestion.rows),
-            validation.identity() if validation is not None else None,
-        )
+    run = plan_run(
+        request.config,
+        target,
+        adapters_dir=settings.adapters_dir,
+        ingest=lambda config: _ingest(svc, request, config, target),  # (8)
+        available_bytes=lambda: _available_bytes(svc, target),  # (9)
+        validate=lambda config, ingestion: _validation(svc, request, config, target, ingestion),
+        default_output_name=f"sft-{job_id[:8]}",
+        default_checkpoint_interval=settings.training.checkpoint_interval,
+    )
     return AdmissionPlan(
         job_id,
-        config,
+        run.config,
         request,
         target,
-        ingestion,
-        segments,
-        auto_segments,
-        resume,
-        budget,
-        validation,
-        forward,
+        run.ingestion,
+        run.segments,
+        run.auto_segments,
+        run.resume,
+        run.budget_bytes,
+        run.validation,
+        run.validation_breakdown,
     )
-
-
-def _recorded_plan(resume: ResumePoint | None) -> dict | None:
-    """The gradient checkpoint plan a resumed checkpoint's run was pinned to (validated by the
-    strict loader), or None (no resume, or a checkpoint from before plans were recorded)."""
-    if resume is None:
-        return None
-    return resume.manifest.auxiliary_state.get(CHECKPOINT_PLAN_AUX_KEY)
 
 
 def _ingest(svc: Services, request: SftRequest, config: SftConfig, target: RunnerTarget) -> IngestionResult:
@@ -158,49 +110,16 @@ def _validation(
     )
 
 
-def _plan_validation(
-    config: SftConfig, target: RunnerTarget, validation: ValidationSet | None, available: int
-) -> Breakdown | None:
-    """The validation forward over the longest held-out row must fit the same budget (413)."""
-    if validation is None:
-        return None
-    return plan_validation_forward(
-        target.model,
-        max_seq_len=validation.max_seq_len,
-        max_supervised_tokens=validation.max_supervised_tokens,
-        lora_rank=config.lora_rank,
-        optimizer_kind=config.optimizer.kind,
-        loss_route=target.loss_route,
-        backend=target.backend,
-        weights_resident=True,
-        available_bytes=available,
-    )
-
-
-def _plan_memory(
-    svc: Services, config: SftConfig, target: RunnerTarget, ingestion: IngestionResult
-) -> SegmentPlan:
+def _available_bytes(svc: Services, target: RunnerTarget) -> int:
     if target.free_memory_bytes is None:
         raise backend_unsupported(f"runner {target.runner_id} reports no free device memory to admit against")
     memory = svc.settings.memory
-    available = available_budget(
+    return available_budget(
         target.backend,
         total_bytes=target.total_memory_bytes or target.free_memory_bytes,
         free_bytes=target.free_memory_bytes,
         reserve_gb=memory.reserve_gb,
         training_memory_gb=memory.training_memory_gb,
-    )
-    return plan_segments(
-        target.model,
-        max_seq_len=ingestion.max_seq_len,
-        max_supervised_tokens=ingestion.max_supervised_tokens,
-        lora_rank=config.lora_rank,
-        optimizer_kind=config.optimizer.kind,
-        loss_route=target.loss_route,
-        backend=target.backend,
-        weights_resident=True,  # the runner measured free memory with the model already loaded
-        available_bytes=available,
-        requested_segments=config.grad_checkpoint_segments,
     )
 
 
@@ -239,13 +158,9 @@ def admission_fields(plan: AdmissionPlan) -> dict:
     return {
         "loss_route": plan.target.loss_route,
         "optimizer": {"learning_rate": config.learning_rate, **config.optimizer.model_dump(mode="json")},
-        "checkpoint_plan": {
-            "max_segments": segments.num_segments,
-            "auto": plan.auto_segments,
-            "budget_bytes": plan.budget_bytes,
-            "boundary": CHECKPOINT_BOUNDARY,
-            "resume_from": plan.resume.pin() if plan.resume else None,
-        },
+        "checkpoint_plan": checkpoint_plan_record(
+            plan.segments, plan.auto_segments, plan.budget_bytes, plan.resume
+        ),
         "memory_estimate_bytes": plan.memory_estimate_bytes,
         "memory_breakdown": breakdown,
         "execution_identity_digest": plan.target.execution_identity_digest,

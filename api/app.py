@@ -1,4 +1,4 @@
-"""The app factory: `create_app(settings, celery=...)` (peers.md §4.1, pallets examples).
+"""The app factory: `create_app(settings, celery=...)` (docs/ARCHITECTURE.md#routes).
 
 Torch-free by construction: the api imports kiln_train's torch-free parts, the store and the
 Celery client only (a test checks `torch` never enters `sys.modules`).

@@ -1,11 +1,11 @@
-"""The error envelope on every error, any status (DESIGN.md §7, kiln-contract §1.6).
+"""The error envelope on every error, any status (docs/errors.md#envelope).
 
 `{"error": {"code", "message", "hint"}}` for contract errors (`KilnError`), for werkzeug's own
 HTTP errors (routing 404/405, the 413 of an oversized body), for malformed JSON, for a job
 database that cannot be reached (503 `database_unavailable`) and for anything unexpected (500
 `internal_error`, logged, never a traceback on the wire). Retryable
 503s carry `Retry-After`. Handlers are registered on the app, not on a blueprint: blueprint
-handlers never see routing errors (peers.md §4.1).
+handlers never see routing errors.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ The document states what the server accepts, not only the shapes: path parameter
 patterns, query integers their bounds, and the request body the ranges its validators enforce
 (`REQUEST_CONSTRAINTS`), so a client that follows the document is refused only for what a schema
 cannot say (alpha/rank, the runner's rank range, memory, names already taken).
-`tests/api/test_probe_fuzz_openapi.py` holds the parser to these constraints at their edges.
+`tests/api/test_openapi_edges.py` holds the parser to these constraints at their edges.
 """
 
 from __future__ import annotations
@@ -296,7 +296,7 @@ ROUTES: tuple[Route, ...] = (
 # ----- request-body constraints the validators enforce (kiln_train.sft_config, api.admission) -----
 
 NON_BLANK = "^[^\\u0000]*[^\\s\\u0000][^\\u0000]*$"  # not blank, no NUL (api.http.unstorable_value)
-ADAPTER_NAME = {  # output_name / base_adapter (api.admission_checks.adapter_name_problem)
+ADAPTER_NAME = {  # output_name / base_adapter (kiln_train/plan/names.py: adapter_name_problem)
     "type": "string",
     "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$",
     "not": {"anyOf": [{"pattern": "\\.kiln-checkpoint$"}, {"pattern": "-checkpoint-step-"}]},

@@ -1,4 +1,4 @@
-"""The live runner as admission sees it, and the cheap static gates (kiln-contract §1.5 step 2).
+"""The live runner as admission sees it (docs/ARCHITECTURE.md#the-path-of-one-job, step 5).
 
 Admission never guesses what the worker holds: backend, device, dtypes, loss route, model shape
 and tokenizer all come from the runner's row in `runners`. A row the api cannot interpret
@@ -13,27 +13,23 @@ from dataclasses import dataclass
 
 from kiln.store import Runner
 from kiln_train.data.chat_template import training_template
-from kiln_train.errors import backend_unsupported, invalid_request
-from kiln_train.model.config import Qwen35Config, parse_config
-from kiln_train.plan.backend import Backend, backend_for_device
+from kiln_train.errors import backend_unsupported
+from kiln_train.model.config import parse_config
+from kiln_train.plan.backend import backend_for_device
 from kiln_train.plan.formulas import ESTIMATED_ROUTES
-from kiln_train.plan.optimizer_support import check_optimizer_tuple, native_training_unavailable_reason
-from kiln_train.plan.segments import check_segment_request
-from kiln_train.sft_config import SftConfig
+from kiln_train.plan.gates import TrainingTarget, sft_optimizer_kinds
+from kiln_train.plan.optimizer_support import native_training_unavailable_reason
 
 
 @dataclass(frozen=True)
-class RunnerTarget:
-    """Everything admission pins from the live runner."""
+class RunnerTarget(TrainingTarget):
+    """Everything admission pins from the live runner: what a run is planned against, and the
+    runner's id, execution identity, model path, model identity and memory."""
 
     runner_id: str
-    backend: Backend
-    model: Qwen35Config
-    loss_route: str
     execution_identity_digest: str
     model_path: str
     identity: dict
-    allowed_optimizer_kinds: tuple[str, ...]
     free_memory_bytes: int | None
     total_memory_bytes: int | None
 
@@ -67,7 +63,6 @@ def runner_target(runner: Runner) -> RunnerTarget:
     identity = runner.model_config.get("identity")
     if not isinstance(identity, dict):
         raise backend_unsupported(f"runner {runner.id} registered no model identity")
-    sft = next(w for w in runner.optimizer_support["workloads"] if w["workload"] == "sft")
     return RunnerTarget(
         runner_id=runner.id,
         backend=backend,
@@ -76,22 +71,10 @@ def runner_target(runner: Runner) -> RunnerTarget:
         execution_identity_digest=runner.execution_identity_digest,
         model_path=runner.model_path,
         identity=identity,
-        allowed_optimizer_kinds=tuple(sft["allowed_optimizer_kinds"]),
+        allowed_optimizer_kinds=sft_optimizer_kinds(runner.optimizer_support),
         free_memory_bytes=runner.free_memory_bytes,
         total_memory_bytes=runner.total_memory_bytes,
     )
-
-
-def check_static_gates(target: RunnerTarget, config: SftConfig) -> None:
-    """Optimizer tuple (kind x rank range) and an explicit segment count the route allows (400)."""
-    kind = config.optimizer.kind
-    if kind not in target.allowed_optimizer_kinds:
-        raise invalid_request(
-            f"config.optimizer.kind {kind!r} is not supported for sft by the resident runner "
-            f"(allowed: {', '.join(target.allowed_optimizer_kinds) or 'none'})"
-        )
-    check_optimizer_tuple(target.backend, target.model, kind, config.lora_rank)
-    check_segment_request(target.model, target.loss_route, config.grad_checkpoint_segments)
 
 
 def check_training_template(target: RunnerTarget) -> None:

@@ -1,5 +1,5 @@
-"""Response bodies of the api as pydantic models (kiln-contract §1.4), shared by the serializers that
-build them and by the OpenAPI document that describes them."""
+"""Response bodies of the api as pydantic models (docs/ARCHITECTURE.md#job-states), shared by the
+serializers that build them and by the OpenAPI document that describes them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Serializers: store rows in, contract JSON out (kiln-contract §1.4).
+"""Serializers: store rows in, contract JSON out (docs/ARCHITECTURE.md#job-states).
 
 Seeds are decimal strings, times are Unix milliseconds or RFC 3339, `started_at` is the
 original's human string ("12s ago").
@@ -57,11 +57,11 @@ def columns(row: object, names: tuple[str, ...]) -> dict[str, Any]:
 
 
 def serving_profile() -> schemas.ServingProfile:
-    """`serving_profile` of `/v1/config` and `/health` (kiln-contract §1.1).
+    """`serving_profile` of `/v1/config` and `/health` (docs/ARCHITECTURE.md#routes).
 
-    Kiln serves no inference, so its one, built-in profile is the original's `maintenance`
-    policy: inference disabled and training owning the device exclusively; nothing of it can be
-    configured or overridden per request.
+    Kiln serves no inference, so its one, built-in profile is the `maintenance` policy of the
+    Rust implementation's serving profiles: inference disabled and training owning the device
+    exclusively; nothing of it can be configured or overridden per request.
     """
     return schemas.ServingProfile(
         profile="maintenance",
@@ -234,7 +234,7 @@ def loss_samples(job: Job, steps: list[TrainingStep]) -> list[schemas.LossSample
 
 
 def checkpoint_summary(path: Path) -> tuple[schemas.TrainingCheckpointSummary | None, str | None]:
-    """Manifest-only view of a checkpoint (status never re-hashes artifacts, kiln-contract §1.4)."""
+    """Manifest-only view of a checkpoint: status never re-hashes artifacts (docs/checkpoints.md#loading)."""
     try:
         manifest, _digest = read_checkpoint_manifest(path)
     except CheckpointError as exc:

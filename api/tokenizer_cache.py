@@ -1,4 +1,4 @@
-"""The runner's tokenizer, loaded once per api process (kiln-contract §1.5 step 4).
+"""The runner's tokenizer, loaded once per api process (docs/tokenization.md#tokenizer).
 
 Admission tokenizes with exactly the tokenizer the resident runner holds: `tokenizer.json`
 under the runner's `model_path`, whose SHA-256 must equal the runner identity's

@@ -1,4 +1,4 @@
--- Kiln job history: example SQL questions (DESIGN.md §5).
+-- Kiln job history: example SQL questions (docs/ARCHITECTURE.md#job-store).
 --
 -- Every query runs unchanged on Postgres (production) and SQLite (the embedded default).
 -- Each starts with a `-- name: <name>` line, then comment lines saying the question it answers.

@@ -1,5 +1,8 @@
 """kiln_train: the native Qwen3.5 LoRA SFT library (usable with no server).
 
+`kiln_train.finetune(model_dir, examples_or_jsonl, config, output_dir)` trains one adapter in
+one call (docs/library.md); `train_sft` is the trainer underneath it and under the worker.
+
 Torch is imported lazily: `import kiln_train` stays cheap, and the api imports only the
 torch-free modules (sft_config, data ingestion, chat templates, the tokenizer, plan, model config).
 """
@@ -10,6 +13,10 @@ import importlib
 from collections.abc import Callable
 
 _EXPORTS = {
+    "finetune": "kiln_train.train.finetune",
+    "KilnError": "kiln_train.errors",
+    "StepReport": "kiln_train.train.result",
+    "load_resident": "kiln_train.model.resident",
     "load_model": "kiln_train.model",
     "Qwen35Model": "kiln_train.model",
     "attach_lora": "kiln_train.model",

@@ -1,4 +1,4 @@
-"""Contract error codes (kiln-contract §1.6) and the one exception type that carries them.
+"""Contract error codes (docs/errors.md#codes) and the one exception type that carries them.
 
 Every part of the library raises `KilnError` (or a subclass) with a contract `code`, a message
 and a hint; the api turns it into the envelope `{"error": {"code", "message", "hint"}}` and
@@ -65,7 +65,10 @@ class OwnershipLost(Exception):
 
 
 class TrainingFailure(Exception):
-    """A run failed after admission; `reason` is a receipt failure category (kiln-contract §4.1)."""
+    """A run failed after admission; `reason` is a receipt failure category.
+
+    docs/errors.md#failure-reasons.
+    """
 
     def __init__(self, reason: str, message: str) -> None:
         self.reason = reason
@@ -85,7 +88,7 @@ FAILURE_REASONS = (
     "unsafe_lora_scale",
     "base_adapter_missing",
     "training_error",
-    # beyond the original: the service's own terminal reasons
+    # beyond the Rust implementation's reasons: the service's own terminal reasons
     "worker_lost",
     "plan_drift",
 )

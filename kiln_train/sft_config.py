@@ -1,9 +1,9 @@
 """The SFT request contract: `SftRequest`, `SftConfig` and the tagged optimizer object.
 
-Implements seed `000_*` ("Native SFT profile", "Optimizers and learning rate") and
-kiln-contract §1.2–§1.3. Unknown fields are rejected everywhere (general-trainer knobs such as
-`gradient_accumulation_steps` therefore fail as unknown fields); every numeric range is checked
-with a message that names the field. Torch-free.
+See docs/training-profile.md#request-fields, docs/training-profile.md#the-profile and
+docs/optimizers.md#hyperparameters. Unknown fields are rejected everywhere (general-trainer
+knobs such as `gradient_accumulation_steps` therefore fail as unknown fields); every numeric
+range is checked with a message that names the field. Torch-free.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ MAX_NS_ITERS = 20
 # Held-out validation (docs/validation.md): a holdout takes 1..=50 percent of the submitted rows.
 MIN_HOLDOUT_PERCENT, MAX_HOLDOUT_PERCENT = 1, 50
 LR_WARNING_BAND = 50.0
-# Resolved learning rate for SFT when the request omits it (kiln-contract §2.1).
+# Resolved learning rate for SFT when the request omits it (docs/optimizers.md#learning-rate).
 SFT_DEFAULT_LEARNING_RATE = {"muon": 1e-3, "adam_w": 1e-4, "sgd": 1e-4}
 BUILTIN_SMOKE_PROMPTS = (
     "In one short sentence, name a primary color:",
@@ -156,7 +156,7 @@ def _seed(v: Any) -> int | None:
 
 
 class SftConfig(BaseModel):
-    """`config` of an SFT request (kiln-contract §1.3). Defaults are the server's."""
+    """`config` of an SFT request (docs/training-profile.md#request-fields). Defaults are the server's."""
 
     model_config = _STRICT
 
@@ -375,11 +375,12 @@ class SftRequest(BaseModel):
         return self
 
 
-def describe_validation_error(exc: ValidationError) -> str:
-    """One line per problem, naming the field path (e.g. `config.optimizer.adam_w.beta1`)."""
+def describe_validation_error(exc: ValidationError, prefix: tuple[str, ...] = ()) -> str:
+    """One line per problem, naming the field path (e.g. `config.optimizer.adam_w.beta1`);
+    `prefix` is the path of the validated object itself."""
     parts = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err.get("loc", ()))
+        loc = ".".join(str(p) for p in (*prefix, *err.get("loc", ())))
         msg = err.get("msg", "invalid")
         msg = msg.removeprefix("Value error, ")
         if err.get("type") == "extra_forbidden":
@@ -388,11 +389,13 @@ def describe_validation_error(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def parse_sft_config(obj: Any) -> SftConfig:
+def parse_sft_config(obj: Any, *, field_path: tuple[str, ...] = ()) -> SftConfig:
+    """`obj` (None: every default) as an `SftConfig`; a 400 naming each bad field, under
+    `field_path` (the library names them `config.<field>`, as the service does)."""
     try:
         return SftConfig.model_validate(obj if obj is not None else {})
     except ValidationError as exc:
-        raise invalid_request(describe_validation_error(exc)) from None
+        raise invalid_request(describe_validation_error(exc, field_path)) from None
 
 
 def parse_sft_request(obj: Any) -> SftRequest:

@@ -1,4 +1,4 @@
-"""Generate the AdamW PyTorch oracle fixture (seed `000_*` "AdamW numerical qualification").
+"""Generate the AdamW PyTorch oracle fixture (docs/optimizers.md#adamw-qualification).
 
 Runs eager `torch.optim.AdamW(foreach=False, fused=False)` over four cases, each ten steps:
 

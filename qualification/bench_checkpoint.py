@@ -1,6 +1,6 @@
 """Checkpoint write/load cost and size for a tiny-model preset at a LoRA rank, per optimizer.
 
-Builds the exact SFT checkpoint layout of kiln-contract §5.1 (every trainable LoRA tensor of the
+Builds the exact SFT checkpoint layout of docs/checkpoints.md#layout (every trainable LoRA tensor of the
 preset under its PEFT name, the optimizer state in the contract's F32 + U32-step layout, a loop
 state at the given step) with random host tensors, then times `publish_checkpoint` (encode +
 write + fsync + hash + manifest + rename) and `load_checkpoint` (full validation with hashing).

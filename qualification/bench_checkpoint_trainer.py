@@ -1,10 +1,10 @@
-"""Exact-checkpoint write time and size from real `train_sft` runs (issue 7 "Done when").
+"""Exact-checkpoint write time and size from real `train_sft` runs.
 
 For each optimizer, trains the `small` tiny preset (full vocabulary, f32 on CPU) at LoRA rank r
 with `checkpoint_interval=1` on short conversations, so every step but the last publishes a
 `.kiln-checkpoint` through the trainer's own path: LoRA and optimizer tensors copied to host,
 safetensors encoding, the loop state, staging directory + sentinel + fsyncs + hashes + manifest
-+ rename (kiln-contract §5.5). Reports the trainer's `write_ms` per checkpoint (median and max),
++ rename (docs/checkpoints.md#publication). Reports the trainer's `write_ms` per checkpoint (median and max),
 the checkpoint's size and its files, and the time a strict load (`load_checkpoint`, every hash
 verified) takes. Whereas `bench_checkpoint.py` times the checkpoint module on random tensors,
 this is what a training job pays.

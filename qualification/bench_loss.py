@@ -15,7 +15,7 @@ peak RSS above the RSS after the model is loaded; step time is the mean of the m
 after one warm-up step. A case whose dense logits would not fit in the machine's available memory
 (estimated with the full_logits formula of `kiln_train.plan.memory`) is skipped, not run into an OOM.
 
-Targets (issue 5) at T = 2048: kt_tape_flce peak RSS <= 0.4x hf_peft and step time <= 0.7x.
+Targets at T = 2048: kt_tape_flce peak RSS <= 0.4x hf_peft and step time <= 0.7x.
 
     .venv/bin/python qualification/bench_loss.py                 # T = 512, 2048, 8192
     .venv/bin/python qualification/bench_loss.py --seq-lens 2048 --steps 3

@@ -11,7 +11,7 @@ Each (side, T) runs in its own subprocess so peak RSS is clean; rounds alternate
 background load on a shared machine hits both alike; the table shows the fastest step over all
 timed steps (and the median), peak RSS (VmHWM) or peak CUDA memory, and the ratios ours/theirs.
 
-CPU (the figures in the issue note):
+CPU:
     .venv/bin/python qualification/bench_model.py --preset small --lengths 512 2048
 GPU (when a CUDA machine is lent; needs transformers + peft, optionally flash-linear-attention):
     python qualification/bench_model.py --device cuda --preset qwen35-4b-random --lengths 4096
@@ -39,7 +39,7 @@ from kiln_train.model import Qwen35Model, attach_lora, load_model, load_tensors_
 from kiln_train.model.config import LORA_TARGET_MODULES, QWEN35_4B_TEXT_CONFIG, parse_config  # noqa: E402
 from kiln_train.model.tiny import random_tensors, text_config, wrapper_config, write_tiny_checkpoint  # noqa: E402
 
-# Qwen3.5-4B text shape (qwen35.md §1.1); weights are random, drawn on the device.
+# Qwen3.5-4B text shape (docs/model.md#configuration); weights are random, drawn on the device.
 QWEN35_4B = {k: v for k, v in QWEN35_4B_TEXT_CONFIG.items() if k != "dtype"}
 RANDOM_PRESETS = {"qwen35-4b-random": ("small", QWEN35_4B)}
 RESULT_TAG = "RESULT "
@@ -309,7 +309,7 @@ def run_parity(args) -> None:
     device = torch.device(args.device)
     if device.type != "cuda" or not torch.cuda.is_available():
         raise SystemExit(
-            "--parity compares bf16 on CUDA; the f32 CPU parity lives in tests/kiln_train/model/test_model_parity.py"
+            "--parity compares bf16 on CUDA; the f32 CPU parity lives in tests/kiln_train/model/test_qwen35_parity.py"
         )
     fla_reason = fla_unusable_reason(torch.device("cuda", torch.cuda.current_device()))
     impls = ["chunk"] + (["fla"] if fla_reason is None else [])

@@ -1,4 +1,4 @@
-"""Benchmark: `train_sft` versus a transformers + PEFT + torch AdamW loop (issue 6 "Speed and memory").
+"""Benchmark: `train_sft` versus a transformers + PEFT + torch AdamW loop (speed and memory).
 
 Both sides train LoRA rank r (alpha 2r, the ten Qwen3.5 targets, no dropout) with AdamW on the
 same `small` tiny checkpoint (full 248,320-token vocabulary, f32 on CPU), one conversation per

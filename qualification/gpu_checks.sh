@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 3-5 in one bounded run on a lent CUDA machine (see qualification/README.md).
+# The GPU checks in one bounded run on a lent CUDA machine (see qualification/README.md).
 #
 #   qualification/gpu_checks.sh OUT_DIR
 #
@@ -38,7 +38,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'peft', peft.__version__)"
 python3 -c "import fla; print('fla', fla.__version__)" || echo "flash-linear-attention not importable"
 stage pytest_gpu 130 python3 -m pytest -m gpu -v -p no:cacheprovider -o addopts="-ra" --timeout 100 \
-    tests/kiln_train/model/test_model_gpu.py tests/kiln_train/qualify/test_qualify.py
+    tests/kiln_train/model/test_qwen35_gpu.py tests/kiln_train/qualify/test_workload.py
 stage qualify_cuda 60 python3 -c "from kiln.cli.main import main; main()" \
     qualify adamw-pytorch-oracle-v1 --device cuda --out "$out"
 stage bench_parity 60 python3 qualification/bench_model.py --device cuda --parity

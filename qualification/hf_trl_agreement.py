@@ -6,8 +6,8 @@ interpreter (the real pinned TRL on the CPU, f32), and Kiln's `train_sft` on the
 config. Printed per optimizer: the largest relative difference of the per-step losses, of the
 final adapter tensors (max |a - b| / max |b| per tensor) and of the trained deltas (final minus
 initial, which starts at zero), plus wall times. `tests/kiln_train/interop/test_trl_end_to_end.py`
-holds SGD to 1e-4 (losses) and 1e-3 (adapters); this script reports AdamW, which the issue asks
-to measure rather than bound.
+holds SGD to 1e-4 (losses) and 1e-3 (adapters); this script reports AdamW, which is measured
+rather than bound.
 
     .venv/bin/python qualification/hf_trl_agreement.py [--optimizers sgd adam_w] [--rows 3]
         [--epochs 2] [--json OUT.json]

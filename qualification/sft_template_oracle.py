@@ -1,14 +1,17 @@
-"""Oracle for Kiln's Qwen3.5 SFT rendering, token ids and assistant-only labels (seed 002).
+"""Oracle for Kiln's Qwen3.5 SFT rendering, token ids and assistant-only labels.
+
+docs/tokenization.md#oracle-fixtures.
 
 The reference is the real stack: Transformers `apply_chat_template(..., tokenize=True,
 return_dict=True, return_assistant_tokens_mask=True)` running TRL's bundled
 `qwen3_5_think_training.jinja` over Kiln's own tokenizer.json (built by
 `kiln_train.data.tokenizer.write_tokenizer`, loaded as `PreTrainedTokenizerFast(tokenizer_file=...)`
-so `ignore_merges` stays True, qwen35.md §7.3). Labels are `input_ids` where the mask is 1,
+so `ignore_merges` stays True, docs/tokenization.md#tokenizer). Labels are `input_ids` where the mask is 1,
 else -100.
 
 The oracle receives each row the way Kiln's contract describes the conversion: OpenAI-shaped
-messages with `function.arguments` JSON strings parsed into objects (seed 002); everything else
+messages with `function.arguments` JSON strings parsed into objects
+(docs/tokenization.md#tool-calls); everything else
 (null content, content-part arrays, the `function` wrapper, tool names/ids) is passed unchanged, so
 Transformers/TRL do their own joining and unwrapping.
 
@@ -30,7 +33,7 @@ A third fixture, qualification/fixtures/qwen35_sft_probe2_v1.json, holds named c
 conversations from `probe2_rows` (tool-call arguments of every JSON type and spelling, turns after the
 last assistant, consecutive assistant/user turns, reasoning aliases given together, fields the template
 ignores, content parts without a type, control characters, nested or non-OpenAI tools schemas) and edge
-rows Kiln refuses although TRL renders them; tests/kiln_train/data/test_conversations_probe2_oracle.py
+rows Kiln refuses although TRL renders them; tests/kiln_train/data/test_conversations_oracle_corners.py
 compares Kiln with it exactly, without TRL.
 
 Regenerate (writes all three fixtures; a fixture's bytes do not change unless its cases do):
@@ -422,7 +425,10 @@ def random_rows(seed: int, n: int) -> list[dict]:
 
 
 def oracle_input(row: dict) -> tuple[list[dict], list[dict] | None]:
-    """Seed 002's conversion: OpenAI `function.arguments` strings parsed into objects; nothing else."""
+    """Kiln's conversion: OpenAI `function.arguments` strings parsed into objects; nothing else.
+
+    docs/tokenization.md#tool-calls.
+    """
     messages = copy.deepcopy(row["messages"])
     for m in messages:
         for call in m.get("tool_calls") or []:
@@ -841,25 +847,25 @@ def conversation_edges() -> list[dict]:
     `kiln` is the expected outcome: a rejection reason and a fragment of its detail. Where TRL renders
     the row anyway, `why` names the contract text or the documented Kiln rule that refuses it.
     """
-    conversation_doc = "kiln_train/conversation.py module docstring"
+    conversation_doc = "kiln_train/data/conversation.py module docstring"
     return [
         {
             "name": "only_wrapped_tool_response_user",
             "example": {"messages": [{"role": "user", "content": "<tool_response>x</tool_response>"}, _A]},
             "kiln": {"rejection": "tokenization_error", "detail": "No user query found in messages."},
-            "why": "the template raises (kiln-contract §3.2 step 4: chat template failure)",
+            "why": "the template raises (chat template failure; docs/ingestion.md#validation)",
         },
         {
             "name": "system_not_first",
             "example": {"messages": [_Q, {"role": "system", "content": "late"}, _A]},
             "kiln": {"rejection": "tokenization_error", "detail": "System message must be at the beginning."},
-            "why": "the template raises (kiln-contract §3.2 step 4)",
+            "why": "the template raises (docs/ingestion.md#validation)",
         },
         {
             "name": "only_system",
             "example": {"messages": [{"role": "system", "content": "S"}]},
             "kiln": {"rejection": "tokenization_error", "detail": "No user query found in messages."},
-            "why": "the template raises (kiln-contract §3.2 step 4)",
+            "why": "the template raises (docs/ingestion.md#validation)",
         },
         {
             "name": "audio_part",
@@ -867,19 +873,19 @@ def conversation_edges() -> list[dict]:
                 "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}, _A]
             },
             "kiln": {"rejection": "tokenization_error", "detail": "only text parts are rendered"},
-            "why": "the template raises 'Unexpected item type in content.' (kiln-contract §3.2 step 4)",
+            "why": "the template raises 'Unexpected item type in content.' (docs/ingestion.md#validation)",
         },
         {
             "name": "only_user",
             "example": {"messages": [_Q]},
             "kiln": {"rejection": "tokenization_error", "detail": "no supervised assistant token"},
-            "why": "kiln-contract §3.2 step 4: no supervised assistant token at positions >= 1",
+            "why": "no supervised assistant token at positions >= 1 (docs/ingestion.md#validation)",
         },
         {
             "name": "empty_assistant_turn_is_trained",
             "example": {"messages": [_Q, {"role": "assistant", "content": " \n"}]},
             "kiln": {"kept": True},
-            "why": "the empty think block and <|im_end|>\\n are supervised (seed 002 mask contract)",
+            "why": "the empty think block and <|im_end|>\\n are supervised (docs/tokenization.md#assistant-only-labels)",
         },
         {
             "name": "image_part",
@@ -896,7 +902,7 @@ def conversation_edges() -> list[dict]:
             "name": "span_marker_in_content",
             "example": {"messages": [{"role": "user", "content": "Q\ufdd0"}, _A]},
             "kiln": {"rejection": "tokenization_error", "detail": "internal span marker"},
-            "why": "seed 002: an internal-marker collision fails the row closed",
+            "why": "an internal-marker collision fails the row closed (docs/tokenization.md#span-markers)",
         },
         {
             "name": "tool_result_first",
@@ -973,13 +979,13 @@ def conversation_edges() -> list[dict]:
             "name": "arguments_invalid_json",
             "example": {"messages": [_Q, _calling(arguments="{x")]},
             "kiln": {"rejection": "tokenization_error", "detail": "function.arguments is not valid JSON"},
-            "why": "seed 002: arguments is a JSON string parsed before rendering; it cannot be",
+            "why": "arguments is a JSON string parsed before rendering; it cannot be (docs/tokenization.md#tool-calls)",
         },
         {
             "name": "arguments_not_an_object",
             "example": {"messages": [_Q, _calling(arguments="[1, 2]")]},
             "kiln": {"rejection": "tokenization_error", "detail": "must encode a JSON object, got array"},
-            "why": "seed 002: arguments parse into the object the Qwen template expects",
+            "why": "arguments parse into the object the Qwen template expects (docs/tokenization.md#tool-calls)",
         },
     ]
 
@@ -1477,7 +1483,6 @@ def probe2_edges() -> list[dict]:
         call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
         return {"messages": [q, {"role": "assistant", "content": None, "tool_calls": [call]}]}
 
-    test = "tests/kiln_train/data/test_conversations_probe2_arguments.py"
     where = "messages[1].tool_calls[0].function.arguments"
     return [
         {
@@ -1487,13 +1492,14 @@ def probe2_edges() -> list[dict]:
                 "rejection": "tokenization_error",
                 "detail": f"{where} decodes to a lone UTF-16 surrogate",
             },
-            "why": f"no tokenizer can encode it (TRL's fails too); serde_json refuses the escape ({test})",
+            "why": "no tokenizer can encode it (TRL's fails too); serde_json refuses the escape "
+            "(docs/tokenization.md#tool-calls)",
         },
         {
             "name": "arguments_number_beyond_f64",
             "example": calling('{"x": 1e400, "y": [-1e400]}'),
             "kiln": {"rejection": "tokenization_error", "detail": f"{where} holds a number out of range"},
-            "why": f"TRL trains 'inf' and '[-Infinity]' in place of the data's number ({test})",
+            "why": "TRL trains 'inf' and '[-Infinity]' in place of the data's number (docs/tokenization.md#tool-calls)",
         },
         {
             "name": "arguments_span_marker_escape",
@@ -1502,7 +1508,7 @@ def probe2_edges() -> list[dict]:
                 "rejection": "tokenization_error",
                 "detail": f"{where} contains an internal span marker",
             },
-            "why": f"seed 002: an internal-marker collision fails the row closed ({test})",
+            "why": "an internal-marker collision fails the row closed (docs/tokenization.md#span-markers)",
         },
         {
             "name": "arguments_raw_newline_in_string",
@@ -1528,7 +1534,7 @@ def probe2_edges() -> list[dict]:
             "name": "role_capitalised",
             "example": {"messages": [q, {"role": "Assistant", "content": "A"}]},
             "kiln": {"rejection": "invalid_role", "detail": "messages[1].role is 'Assistant'"},
-            "why": "kiln-contract §3.2 step 3: roles are exact (both refuse)",
+            "why": "roles are exact (both refuse; docs/ingestion.md#validation)",
         },
         {
             "name": "role_user_padded",
@@ -1536,7 +1542,7 @@ def probe2_edges() -> list[dict]:
                 "messages": [{"role": "user ", "content": "Q"}, {"role": "assistant", "content": "A"}]
             },
             "kiln": {"rejection": "invalid_role", "detail": "messages[0].role is 'user '"},
-            "why": "kiln-contract §3.2 step 3 (TRL: no user query)",
+            "why": "roles are exact (TRL: no user query; docs/ingestion.md#validation)",
         },
     ]
 
@@ -1630,7 +1636,7 @@ def main() -> int:
         tokenizer_json, _ = write_tokenizer(tmp, tokenizer)
         hf_tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json))
         if not hf_tokenizer.backend_tokenizer.model.ignore_merges:
-            raise SystemExit("the oracle tokenizer lost ignore_merges; see qwen35.md §7.3")
+            raise SystemExit("the oracle tokenizer lost ignore_merges; see docs/tokenization.md#tokenizer")
         if args.check:
             return check(hf_tokenizer, tokenizer, tokenizer_json)
         fixture = build_fixture(hf_tokenizer, tokenizer_json)

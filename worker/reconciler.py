@@ -1,4 +1,4 @@
-"""The reconciler: nothing admitted is ever lost (DESIGN §1, peers.md §3.4).
+"""The reconciler: nothing admitted is ever lost (docs/recovery.md#reconciler).
 
 At worker start and periodically:
 - a job committed but never published (the api died between commit and publish, or the broker
@@ -59,18 +59,18 @@ class Reconciler:
         done = {"republished": 0, "resumed": 0, "failed": 0, "completed": 0, "swept": 0}
         done["failed"] += self._expire_leases(done)
         done["republished"] += self._republish()
-        done["republished"] += self._ring_lost_doorbells()
+        done["republished"] += self._republish_lost_messages()
         done["swept"] += len(sweep_abandoned(self.runtime.settings.adapters_dir))
         return done
 
-    def _ring_lost_doorbells(self) -> int:
+    def _republish_lost_messages(self) -> int:
         """Publish again, oldest first, every job still queued a reconcile period after its
         message went out while this worker sat idle for that long: an idle worker takes a waiting
         message within moments, so the broker lost it (Redis restarted without persistence or
         flushed; or a worker died holding it unacknowledged, which Redis gives back only after the
         visibility timeout). A lost message is thus found within two reconcile periods; the first
-        doorbell that arrives then drains the whole queue (`WorkerRuntime._drain_queue`). A
-        duplicate doorbell is harmless: a message whose row is not `queued` is dropped."""
+        message that arrives then drains the whole queue (`WorkerRuntime._drain_queue`). A
+        duplicate message is harmless: a message whose row is not `queued` is dropped."""
         rt = self.runtime
         idle_since = getattr(rt, "idle_since", None)
         if rt.celery is None or idle_since is None or rt.shutdown.is_set():
@@ -80,13 +80,13 @@ class Reconciler:
             return 0  # busy until recently: a waiting message may still be on its way to us
         with rt.factory.begin() as s:
             cutoff = store.store_now(s) - timedelta(seconds=period)  # the clock that stamped them
-            lost = [(j.id, j.published_at) for j in store.stale_doorbells(s, older_than=cutoff)]
+            lost = [(j.id, j.published_at) for j in store.lost_message_jobs(s, older_than=cutoff)]
         count = 0
         for job_id, seen in lost:
             try:
                 with rt.factory.begin() as s:
                     if not store.restamp_published(s, job_id, seen):
-                        continue  # another reconciler rang it, or the job left the queue
+                        continue  # another reconciler published it, or the job left the queue
                     # Published inside the transaction: a failed publish keeps the old stamp.
                     publish_job(rt.celery, job_id, rt.settings.queue.queue_name)
                     store.append_event(

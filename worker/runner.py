@@ -11,31 +11,13 @@ import socket
 from pathlib import Path
 
 from kiln_train.model.resident import ResidentModel
-from kiln_train.plan.budget import cpu_available_bytes
+from kiln_train.plan.budget import device_memory
 from kiln_train.plan.optimizer_support import optimizer_support_report
 
 
 def heartbeat_file(settings) -> Path:
     """Touched by the worker's heartbeat thread; `kiln health worker` reads its age."""
     return settings.storage_root / "run" / f"worker-{socket.gethostname()}.heartbeat"
-
-
-def device_memory(device: str) -> tuple[int | None, int | None]:
-    """(free, total) bytes of the resident device; CPU: MemAvailable and MemTotal."""
-    if device.startswith("cuda"):
-        import torch
-
-        free, total = torch.cuda.mem_get_info(torch.device(device))
-        return int(free), int(total)
-    total = None
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    total = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return cpu_available_bytes(), total
 
 
 def runner_registration(resident: ResidentModel) -> dict:

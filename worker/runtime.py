@@ -1,7 +1,9 @@
-"""The resident worker runtime: claim, re-verify, reserve, train, record (DESIGN §1).
+"""The resident worker runtime: claim, re-verify, reserve, train, record.
 
-One process holds the base model resident between jobs. A message is only a doorbell: the job
-row decides. A redelivered message whose row is not `queued` is dropped; a claim is one
+docs/ARCHITECTURE.md#the-path-of-one-job, steps 12 to 18.
+
+One process holds the base model resident between jobs. A queue message only carries the job id:
+the job row decides. A redelivered message whose row is not `queued` is dropped; a claim is one
 conditional UPDATE with a lease that a heartbeat thread renews; progress, the loss curve,
 checkpoints and the final state are written as they happen.
 """
@@ -31,14 +33,14 @@ from kiln_train import checkpoint as ckpt
 from kiln_train.artifacts.fencing import RunIdentity, grab_leftover
 from kiln_train.errors import KilnError, OwnershipLost
 from kiln_train.model.resident import ResidentModel
-from kiln_train.plan.budget import available_budget
+from kiln_train.plan.budget import available_budget, device_memory
 from kiln_train.train.request import TrainRequest
 from kiln_train.train.result import TrainResult
 from kiln_train.train.trainer import train_sft
 from worker.fence import JobFence
 from worker.reconciler import Reconciler, unrecorded_checkpoints_beyond
 from worker.run_records import RunRecording
-from worker.runner import device_memory, heartbeat_file, runner_registration
+from worker.runner import heartbeat_file, runner_registration
 from worker.verify import PLAN_DRIFT, PLAN_DRIFT_CODE, PinnedJob, PlanDrift, pin_job, verify_plan
 
 log = logging.getLogger(__name__)
@@ -93,8 +95,8 @@ class WorkerRuntime(RunRecording):
         # clears `run` to give the lease up: a heartbeat that read the run before the release
         # must not renew the lease after the release expired it.
         self.lease_lock = threading.Lock()
-        # When this worker last finished handling a doorbell (None while it handles one): an idle
-        # worker's reconciler rings again the doorbells the broker lost.
+        # When this worker last finished handling a message (None while it handles one): an idle
+        # worker's reconciler publishes again the messages the broker lost.
         self.idle_since: datetime | None = None
         self.db_retry_delays: tuple[float, ...] = DB_RETRY_DELAYS
         self.shutdown = threading.Event()
@@ -208,12 +210,12 @@ class WorkerRuntime(RunRecording):
 
     # ----- one job -------------------------------------------------------------------------
     def run_job(self, job_id: str) -> str:
-        """Handle one doorbell; returns what happened to `job_id` (`dropped`, `completed`, `failed`,
+        """Handle one queue message; returns what happened to `job_id` (`dropped`, `completed`, `failed`,
         `requeued`, or `deferred`: not claimed because this worker is shutting down).
 
         Messages can leave the api out of admission order (concurrent admissions publish after
-        their commits), so a doorbell first runs every older queued job: execution follows
-        `queue_seq`, strictly FIFO. The older jobs' own doorbells later find them done and drop.
+        their commits), so a message first runs every older queued job: execution follows
+        `queue_seq`, strictly FIFO. The older jobs' own messages later find them done and drop.
         """
         self.idle_since = None
         try:
@@ -223,7 +225,7 @@ class WorkerRuntime(RunRecording):
                     break
                 self._run_one(older)
             if self.shutdown.is_set():
-                # A worker on its way out claims nothing: the doorbell goes back to the broker for
+                # A worker on its way out claims nothing: the message goes back to the broker for
                 # another worker (or this one after its restart) instead of one step and a release.
                 return "deferred"
             outcome = self._run_one(job_id)
@@ -244,8 +246,8 @@ class WorkerRuntime(RunRecording):
 
     def _drain_queue(self) -> None:
         """Run the jobs still queued in the store, oldest first, before waiting for the next
-        doorbell: the row is the truth, so a job whose message the broker lost (flushed, restarted
-        without persistence) starts as soon as this worker is free. Their own doorbells, when they
+        message: the row is the truth, so a job whose message the broker lost (flushed, restarted
+        without persistence) starts as soon as this worker is free. Their own messages, when they
         still exist, later find them done and are dropped. A job another worker claims first is
         simply not claimable here."""
         tried: set[str] = set()

@@ -1,4 +1,4 @@
-"""The Celery task: a doorbell that hands the job id to the process's resident runtime."""
+"""The Celery task: a queue message that hands the job id to the process's resident runtime."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from celery.exceptions import Reject
 from kiln.broker import TRAIN_SFT_TASK
 from kiln.store.errors import STORE_UNREACHABLE
 
-# The job store stayed unreachable through the runtime's own retries: ring the doorbell again
+# The job store stayed unreachable through the runtime's own retries: deliver the message again
 # later. Acknowledging the failure instead would lose it, and a published queued row is not
 # something the reconciler republishes.
 STORE_DOWN_RETRY_SECONDS = 15

@@ -1,4 +1,4 @@
-"""Re-verification at dequeue (seed 000 "Admission and execution binding", kiln-contract §1.5).
+"""Re-verification at dequeue (docs/ARCHITECTURE.md#pinning).
 
 After any queue wait, and before any memory reservation or model work, the worker compares every
 fact admission pinned with what it actually holds: the loss route, the optimizer tuple, the

@@ -1,7 +1,8 @@
-"""Published adapters: list, download (streamed tar.gz), receipt, delete (kiln-contract §1.1, §6).
+"""Published adapters: list, download (streamed tar.gz), receipt, delete (docs/artifacts.md#peft-adapter).
 
 The `adapters` table is the registry; the files live under `<storage>/adapters/<name>/`, with
-exact checkpoints as siblings `<name>-checkpoint-step-<8 digits>.kiln-checkpoint/` (DESIGN.md §4).
+exact checkpoints as siblings `<name>-checkpoint-step-<8 digits>.kiln-checkpoint/`
+(docs/ARCHITECTURE.md#storage-root).
 """
 
 from __future__ import annotations

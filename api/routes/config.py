@@ -1,5 +1,5 @@
 """`GET /v1/config`: the effective non-secret settings and the live runner's training support
-(kiln-contract §1.1, §2.3)."""
+(docs/optimizers.md#support-report)."""
 
 from __future__ import annotations
 

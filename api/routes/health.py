@@ -1,5 +1,6 @@
 """`GET /health`, `GET /v1/health`: readiness (database reachable) with the runner summary and
-the execution identity it pinned (kiln-contract §1.1). 503 `database_unavailable` otherwise.
+the execution identity it pinned (docs/ARCHITECTURE.md#routes). 503 `database_unavailable`
+otherwise.
 
 The probes are public; on a server with api tokens, a caller without a valid one gets liveness
 only (`HealthLiveness`)."""

@@ -1,5 +1,5 @@
 """Job reads and deletion: status, detail (loss curve, receipt, checkpoint), events
-(kiln-contract §1.1, §1.4; cursor pagination per peers.md §4.3)."""
+(docs/ARCHITECTURE.md#job-states; cursor pagination: docs/ARCHITECTURE.md#routes)."""
 
 from __future__ import annotations
 

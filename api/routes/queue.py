@@ -1,4 +1,4 @@
-"""The queue view and cancellation (kiln-contract §1.4 `QueueResponse`, cancel responses)."""
+"""The queue view and cancellation: `QueueResponse`, cancel responses (docs/ARCHITECTURE.md#job-states)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`POST /v1/train/sft`: submit a native SFT job (kiln-contract §1.1, admission in api.admission)."""
+"""`POST /v1/train/sft`: submit a native SFT job (admission in api.admission; docs/ARCHITECTURE.md#routes)."""
 
 from __future__ import annotations
 

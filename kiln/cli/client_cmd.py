@@ -1,5 +1,6 @@
 """HTTP client commands: `kiln train sft`, `kiln jobs list|show|cancel|events|delete`,
-`kiln adapters list|download|delete` (kiln-contract §1; the CLI lines of seed 000).
+`kiln adapters list|download|delete` (routes: docs/ARCHITECTURE.md#routes; flags:
+docs/configuration.md#cli-flags).
 
 Every command talks to a running api (kiln.cli.http_client). Human tables by default, JSON with
 `--json`. The connection options and the printing of errors and exit statuses live in

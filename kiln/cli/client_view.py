@@ -1,5 +1,5 @@
 """What the client commands print: tables, key/value blocks, the live progress line, and the
-receipt summary of a finished job (kiln-contract §1.4 shapes in, text out).
+receipt summary of a finished job (the api's response shapes in, text out).
 
 Torch-free and server-free: every function takes the decoded JSON the api returned.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-# TrainingStatus.state on the wire (kiln-contract §1.5).
+# TrainingStatus.state on the wire (docs/ARCHITECTURE.md#job-states).
 JOB_STATES = ("queued", "running", "completed", "failed")
 TERMINAL_STATES = ("completed", "failed")
 
@@ -77,7 +77,8 @@ def format_bytes(count: int | None) -> str:
 
 
 def epoch_of(step: int, total: int, rows_kept: int) -> tuple[int, int] | None:
-    """(current epoch, epochs) from the step counter: steps = epochs x rows kept (seed 000)."""
+    """(current epoch, epochs) from the step counter: steps = epochs x rows kept
+    (docs/training-profile.md#update-rule)."""
     if rows_kept <= 0 or total <= 0:
         return None
     epochs = max(1, total // rows_kept)
@@ -243,7 +244,7 @@ def describe_preflight(plan: dict) -> None:
 
 
 def receipt_summary(detail: dict) -> list[tuple[str, str]]:
-    """The receipt's headline figures (kiln-contract §4): what a finished run did and cost."""
+    """The receipt's headline figures (docs/artifacts.md#train-receipt): what a finished run did and cost."""
     receipt = detail.get("train_receipt")
     if not isinstance(receipt, dict):
         return []
@@ -318,6 +319,33 @@ def describe_job(detail: dict, outcome: bool) -> None:
     else:
         echo_pairs(job_pairs(detail), indent="")
     summary = receipt_summary(detail)
+    if summary:
+        click.echo("receipt:")
+        echo_pairs(summary)
+
+
+def describe_local_run(outcome: dict) -> None:
+    """The end of `kiln train local` (`TrainResult.to_dict()`): the adapter and its checkpoints,
+    or the failure on stderr; then the receipt summary."""
+    checkpoints = [c["basename"] for c in outcome.get("checkpoints") or []]
+    if outcome["status"] == "success":
+        click.echo(f"adapter {outcome['adapter_name']} published")
+        pairs = [("adapter path", str(outcome["adapter_path"]))]
+    else:
+        click.echo(f"run failed: {outcome.get('failure_reason') or 'unknown reason'}", err=True)
+        click.echo(f"  error: {outcome.get('failure_message') or '-'}", err=True)
+        pairs = [("failed receipt", str(outcome["receipt_path"]))]
+    if checkpoints:
+        pairs.append(("checkpoints", f"{len(checkpoints)} (latest {checkpoints[-1]})"))
+    echo_pairs(pairs)
+    summary = receipt_summary(
+        {
+            "train_receipt": outcome.get("receipt"),
+            "current_loss": outcome.get("final_loss"),
+            "global_step": outcome.get("global_step"),
+            "total_steps": outcome.get("total_steps"),
+        }
+    )
     if summary:
         click.echo("receipt:")
         echo_pairs(summary)

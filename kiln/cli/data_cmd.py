@@ -3,8 +3,8 @@
 Every non-blank row is shown, whatever the policy: its rendering with the supervised spans
 highlighted (ANSI colour on a terminal, `⟦…⟧` otherwise), token and supervised-token counts, its
 row hash, or its rejection. The invalid-row policy is then applied as the server would
-(kiln-contract §3.3): under `fail` any rejected row makes the command exit 1; under `skip` it
-exits 1 only when no row remains. `--json` prints one object per row and the ingestion receipt
+(docs/ingestion.md#invalid-row-policy): under `fail` any rejected row makes the command exit 1;
+under `skip` it exits 1 only when no row remains. `--json` prints one object per row and the ingestion receipt
 (or the error envelope) as the final line; every line is ASCII JSON, so no character inside a row
 (U+2028, U+0085, ...) can split a line for a JSON Lines reader.
 

@@ -1,5 +1,5 @@
 """The HTTP client behind the `kiln train|jobs|adapters` commands: where the api is, the bearer
-token, one JSON request, and the error envelope as an exception (kiln-contract §1, §1.6).
+token, one JSON request, and the error envelope as an exception (docs/errors.md#envelope).
 
 Stdlib `urllib` only (the `kiln` command imports this module; it must stay light and torch-free).
 

@@ -14,6 +14,7 @@ from kiln.cli import (
     data_cmd,
     demo_cmd,
     hf_cmd,
+    local_cmd,
     model_cmd,
     qualify_cmd,
     service_cmd,
@@ -32,6 +33,7 @@ COMMAND_MODULES = (
     worker_cmd,
     client_cmd,
     hf_cmd,  # `kiln train hf ...`: after client_cmd, which makes the `train` group
+    local_cmd,  # `kiln train local`: likewise
     demo_cmd,
     up_cmd,
 )

@@ -1,7 +1,7 @@
 """Submitting an SFT job from the command line: the request's config from the flags, the rows of
-a local JSONL file, the canary prompts file, and the wait for the job to finish (seed 000: the CLI
-sends `training_profile` explicitly; `--adapter-smoke-prompts-file` loads a JSON string array or
-one text prompt).
+a local JSONL file, the canary prompts file, and the wait for the job to finish. The CLI sends
+`training_profile` explicitly; `--adapter-smoke-prompts-file` loads a JSON string array or one
+text prompt (docs/configuration.md#cli-flags).
 
 The JSONL rule is the server's (kiln_train.data.ingestion): lines split on LF, ASCII whitespace
 stripped, blank lines are not rows. Rows travel inline as parsed JSON objects.
@@ -13,6 +13,7 @@ import json
 import re
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,8 @@ CONFIG_FIELDS = {
 
 
 def sft_config(options: dict[str, Any]) -> dict[str, Any]:
-    """The request's `config`: the profile, always explicit (seed 000), then the given options."""
+    """The request's `config`: the profile, always explicit (docs/training-profile.md#the-profile), then the
+    given options."""
     config: dict[str, Any] = {"training_profile": TRAINING_PROFILE}
     for option, field_name in CONFIG_FIELDS.items():
         if options.get(option) is not None:
@@ -74,10 +76,7 @@ def read_examples(path: Path, policy: str | None, flag: str = "--data") -> tuple
     rows: list[dict] = []
     lines: list[int] = []
     bad: list[str] = []
-    for number, raw_line in enumerate(raw.split(b"\n"), start=1):
-        line = raw_line.strip(ASCII_WHITESPACE)
-        if not line:
-            continue
+    for number, line in nonblank_lines(raw):
         try:
             value = json.loads(line.decode("utf-8"), parse_constant=_reject_constant)
         except (UnicodeDecodeError, ValueError) as exc:
@@ -101,6 +100,22 @@ def read_examples(path: Path, policy: str | None, flag: str = "--data") -> tuple
     if not rows:
         raise InputError(f"{path}: no rows (the file is empty or only blank lines)")
     return rows, lines
+
+
+def nonblank_lines(raw: bytes) -> Iterator[tuple[int, bytes]]:
+    """(line number, stripped line) of every line that is a row: the JSONL rule of ingestion."""
+    for number, raw_line in enumerate(raw.split(b"\n"), start=1):
+        line = raw_line.strip(ASCII_WHITESPACE)
+        if line:
+            yield number, line
+
+
+def row_lines(path: Path) -> list[int]:
+    """The file line of each row of a JSONL file (row n is `row_lines(path)[n - 1]`)."""
+    try:
+        return [number for number, _ in nonblank_lines(path.read_bytes())]
+    except OSError:
+        return []
 
 
 def _reject_constant(name: str) -> Any:
@@ -144,28 +159,39 @@ def annotate_rows(
 ) -> None:
     """Name the file line behind a row the server refers to (`examples[i]`, `SFT row n`, and for
     held-out rows sent with --validation-data `validation.examples[i]`, `SFT validation row n`)."""
-    for match in re.finditer(r"(?<!validation\.)examples\[(\d+)\]", err.message):
+    err.notes.extend(row_notes(err.message, lines, path))
+    if validation_lines and validation_path is not None:
+        err.notes.extend(validation_row_notes(err.message, validation_lines, validation_path))
+
+
+def row_notes(message: str, lines: list[int], path: Path) -> list[str]:
+    """`examples[i] is line L of FILE` / `SFT row n is line L of FILE` for each row `message` names
+    (a held-out row, `validation.examples[i]`, is not a training row)."""
+    notes = []
+    for match in re.finditer(r"(?<!validation\.)examples\[(\d+)\]", message):
         index = int(match.group(1))
         if index < len(lines):
-            err.notes.append(f"examples[{index}] is line {lines[index]} of {path}")
-    for match in re.finditer(r"SFT row (\d+)", err.message):
+            notes.append(f"examples[{index}] is line {lines[index]} of {path}")
+    for match in re.finditer(r"SFT row (\d+)", message):
         row = int(match.group(1))
         if 1 <= row <= len(lines):
-            err.notes.append(f"SFT row {row} is line {lines[row - 1]} of {path}")
-    if not validation_lines or validation_path is None:
-        return
-    for match in re.finditer(r"validation\.examples\[(\d+)\]", err.message):
+            notes.append(f"SFT row {row} is line {lines[row - 1]} of {path}")
+    return notes
+
+
+def validation_row_notes(message: str, lines: list[int], path: Path) -> list[str]:
+    """The same for the held-out rows of --validation-data: `validation.examples[i]` and
+    `SFT validation row n`."""
+    notes = []
+    for match in re.finditer(r"validation\.examples\[(\d+)\]", message):
         index = int(match.group(1))
-        if index < len(validation_lines):
-            err.notes.append(
-                f"validation.examples[{index}] is line {validation_lines[index]} of {validation_path}"
-            )
-    for match in re.finditer(r"SFT validation row (\d+)", err.message):
+        if index < len(lines):
+            notes.append(f"validation.examples[{index}] is line {lines[index]} of {path}")
+    for match in re.finditer(r"SFT validation row (\d+)", message):
         row = int(match.group(1))
-        if 1 <= row <= len(validation_lines):
-            err.notes.append(
-                f"SFT validation row {row} is line {validation_lines[row - 1]} of {validation_path}"
-            )
+        if 1 <= row <= len(lines):
+            notes.append(f"SFT validation row {row} is line {lines[row - 1]} of {path}")
+    return notes
 
 
 def validation_body(

@@ -53,7 +53,7 @@ def run_worker(settings) -> None:
     from celery import signals
 
     from kiln_train.errors import KilnError
-    from kiln_train.model.resident import load_resident
+    from kiln_train.model.resident import load_resident, missing_device
     from kiln_train.plan.budget import apply_cpu_allocator_policy
     from kiln_train.train.warmup import warm_up
     from worker.celery_app import make_celery
@@ -67,7 +67,10 @@ def run_worker(settings) -> None:
             err=True,
         )
         sys.exit(2)
-    device_problem = missing_device(settings.model.device)
+    device_problem = missing_device(
+        settings.model.device,
+        "use --device cpu (KILN_MODEL_DEVICE=cpu) or run the worker where a GPU is visible",
+    )
     if device_problem:
         click.echo(f"kiln worker: model.device is {settings.model.device}, but {device_problem}", err=True)
         sys.exit(2)
@@ -114,24 +117,6 @@ def run_worker(settings) -> None:
         )
     finally:
         runtime.stop()
-
-
-def missing_device(device: str) -> str | None:
-    """Why `device` cannot be used by this process's torch, or None when it can."""
-    if not device.startswith("cuda"):
-        return None
-    import torch
-
-    if not torch.cuda.is_available():
-        build = "without CUDA" if torch.version.cuda is None else f"with CUDA {torch.version.cuda}"
-        return (
-            f"torch {torch.__version__} (built {build}) sees no CUDA device; use --device cpu "
-            "(KILN_MODEL_DEVICE=cpu) or run the worker where a GPU is visible"
-        )
-    index = int(device.partition(":")[2] or 0)
-    if index >= torch.cuda.device_count():
-        return f"only {torch.cuda.device_count()} CUDA device(s) are visible (cuda:0..)"
-    return None
 
 
 def register_health_worker(health: click.Group) -> None:

@@ -1,4 +1,4 @@
-"""Typed service configuration: `kiln.toml` + `KILN_<SECTION>_<FIELD>` + CLI flags (DESIGN §6).
+"""Typed service configuration: `kiln.toml` + `KILN_<SECTION>_<FIELD>` + CLI flags (docs/configuration.md).
 
 Precedence is CLI > environment > TOML > default. Unknown keys and bad values stop start-up with
 the key's path and the reason. Settings are read once, at start, and passed down; nothing deeper

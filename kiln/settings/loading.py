@@ -21,7 +21,8 @@ ENV_PREFIX = "KILN_"
 CONFIG_ENV = "KILN_CONFIG"
 DEFAULT_CONFIG_FILE = "kiln.toml"
 
-# Retired switches of the original; the loader refuses them so a stale service definition is noticed.
+# Retired switches of the Rust implementation; the loader refuses them so a stale service definition
+# is noticed.
 RETIRED_ENV = (
     "KILN_USE_FLCE",
     "KILN_BF16_STOCHASTIC_ROUND",

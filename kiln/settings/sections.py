@@ -165,6 +165,9 @@ class QueueSettings(BaseModel):
             raise ValueError("not a broker URL (transport://..., e.g. redis://host:6379/0)")
         if scheme.partition("+")[0] not in TRANSPORT_ALIASES:
             raise ValueError(f"unknown broker transport {scheme!r} (use redis://host:6379/0)")
+        from kiln.broker import kombu_url
+
+        kombu_url(v)  # a password given twice stops start-up here, not in the worker
         return v
 
 

@@ -1,6 +1,6 @@
 """The job store shared by the api and the worker (SQLAlchemy 2 only: no Flask, Celery or torch).
 
-DESIGN.md §1 and §5. Functions take a `Session` and never commit; the caller owns the
+docs/ARCHITECTURE.md#job-store. Functions take a `Session` and never commit; the caller owns the
 transaction (`with factory.begin() as session: ...`). Production creates the schema with
 `upgrade_database(url)` (Alembic), never with `create_all_for_tests`.
 """
@@ -75,10 +75,10 @@ from kiln.store.reconcile import (
     count_graceful_releases,
     expired_leases,
     fail_worker_lost,
+    lost_message_jobs,
     requeue_for_restart,
     requeue_for_resume,
     restamp_published,
-    stale_doorbells,
     steps_recorded_through,
     unpublished_jobs,
 )
@@ -140,6 +140,7 @@ __all__ = [
     "list_events",
     "list_jobs",
     "list_queued",
+    "lost_message_jobs",
     "live_runner",
     "loss_history",
     "make_engine",
@@ -162,7 +163,6 @@ __all__ = [
     "requeue_for_resume",
     "restamp_published",
     "session_factory",
-    "stale_doorbells",
     "states",
     "step_recorded",
     "steps_recorded_through",

@@ -1,7 +1,8 @@
 """Admission's writes: the pinned plan, the queued job and its first event in one transaction
-(kiln-contract §1.5 step 7), the Idempotency-Key lookup, and the publish mark.
+(docs/ARCHITECTURE.md#the-path-of-one-job, step 10), the Idempotency-Key lookup, and the
+publish mark.
 
-The job row is committed before the Celery message is published (peers.md §3.4);
+The job row is committed before the Celery message is published, so a lost message loses no job;
 `published_at` stays null until the api (or the reconciler) has published it.
 """
 
@@ -45,7 +46,7 @@ _STORE_OWNED = frozenset(
 
 
 def new_job_id() -> str:
-    """A fresh job id: UUID4 text (kiln-contract §1.4)."""
+    """A fresh job id: UUID4 text (docs/ARCHITECTURE.md#job-states)."""
     return str(uuid.uuid4())
 
 
@@ -62,7 +63,7 @@ def insert_admitted_job(
     admission_fields: Mapping[str, Any],
     first_event: Mapping[str, Any] | None = None,
 ) -> Job:
-    """Write the pinned admission, the queued job and its first event (kiln-contract §1.5 step 7).
+    """Write the pinned admission, the queued job and its first event (docs/ARCHITECTURE.md#pinning).
 
     `job_fields` are `training_jobs` columns (an `id` is drawn when absent); `admission_fields`
     are `prepared_sft_admissions` columns; `first_event` holds `kind`, `message`, `level`,

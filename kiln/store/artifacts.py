@@ -1,7 +1,8 @@
-"""Published artifacts of jobs: exact checkpoints (kiln-contract §5), adapters (§6), loss curve.
+"""Published artifacts of jobs: exact checkpoints (docs/checkpoints.md), adapters
+(docs/artifacts.md#peft-adapter), loss curve.
 
-Rows are written after the files were published (staging dir + rename, DESIGN.md §4), so a row
-always names a complete artifact on disk.
+Rows are written after the files were published (staging dir + rename,
+docs/ARCHITECTURE.md#storage-root), so a row always names a complete artifact on disk.
 """
 
 from __future__ import annotations

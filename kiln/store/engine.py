@@ -1,4 +1,4 @@
-"""Engines, sessions and schema upgrades for the job store (DESIGN.md §5).
+"""Engines, sessions and schema upgrades for the job store (docs/ARCHITECTURE.md#job-store).
 
 Postgres in production (psycopg 3), SQLite as the embedded default. Production creates and
 upgrades the schema with Alembic (`upgrade_database`), never with `create_all`.

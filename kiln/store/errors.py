@@ -1,6 +1,6 @@
 """The job store's own exceptions (contract errors are `kiln_train.errors.KilnError`).
 
-The store raises `KilnError` where the contract names the outcome (kiln-contract §1.6: job not
+The store raises `KilnError` where the contract names the outcome (docs/errors.md#codes: job not
 found, not cancellable, already started, adapter not found) so the api can answer with the
 envelope as is; it raises the classes below for the service's internal rules.
 """

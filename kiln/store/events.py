@@ -1,4 +1,4 @@
-"""A job's event log (`job_events`) with cursor pagination (peers.md §4.3).
+"""A job's event log (`job_events`) with cursor pagination (docs/ARCHITECTURE.md#routes).
 
 The autoincrement id is the cursor: `list_events(after_id=last_id)` returns the next page.
 A cursor is only sound if a job's event ids become visible in id order. Postgres hands out ids

@@ -1,6 +1,6 @@
 """Job reads and state transitions: claim, progress, finish, cancel, delete.
 
-kiln-contract §1.4–1.5 and DESIGN.md §1: `queued → running → completed | failed`; the row is
+docs/ARCHITECTURE.md#job-states: `queued → running → completed | failed`; the row is
 the truth and every transition is one conditional UPDATE, so two actors racing for the same
 job (a redelivered message, a cancel against a claim, the reconciler against a late heartbeat)
 never both win. Each transition writes its event in the same transaction.
@@ -78,7 +78,7 @@ def list_jobs(session: Session, *, state: str | None = None, include_deleted: bo
 
 
 def claim_job(session: Session, job_id: str, worker_id: str, lease_seconds: float) -> Job | None:
-    """Take a queued job for `worker_id` with a lease (peers.md §3.4); None when not claimable.
+    """Take a queued job for `worker_id` with a lease (docs/recovery.md#leases); None when not claimable.
 
     One conditional UPDATE: a redelivered duplicate, a job already running elsewhere, a
     cancelled one or a finished one all see zero rows and get None. A job the reconciler put
@@ -304,7 +304,7 @@ def finish_job(
 
 
 def request_cancel(session: Session, job_id: str) -> str:
-    """Cancel a job (kiln-contract §1.4): returns "cancelled" or "cancelling".
+    """Cancel a job (docs/ARCHITECTURE.md#job-states): returns "cancelled" or "cancelling".
 
     queued → failed with failure_reason `cancelled` at once ("cancelled"); running → the
     cooperative flag is set and the trainer stops at the next step boundary ("cancelling").

@@ -1,14 +1,15 @@
 """The job store's tables: SQLAlchemy 2 typed models shared by the api and the worker.
 
-DESIGN.md §1 (the row is the truth, the message only a doorbell) and §5 (columns, not JSON
-blobs, for what people filter on). The naming convention is on the metadata from the first
-migration on, so every constraint and index has a deterministic name on SQLite and Postgres.
+docs/ARCHITECTURE.md#job-store: the row is the truth, the queue message only carries the job id,
+and what people filter on is a column, not a JSON blob. The naming convention is on the metadata
+from the first migration on, so every constraint and index has a deterministic name on SQLite and
+Postgres.
 
 Types:
 - timestamps are timezone-aware UTC in Python (`UtcDateTime`): `timestamptz` on Postgres,
   naive-UTC text on SQLite (SQLite has no zone), always returned with `tzinfo=UTC`;
 - JSON payloads are `JSON` (SQLite) / `JSONB` (Postgres), with Python `None` stored as SQL NULL;
-- `effective_seed` is the u64 seed as a decimal string (kiln-contract §1.4): a u64 does not fit
+- `effective_seed` is the u64 seed as a decimal string (docs/ARCHITECTURE.md#job-states): a u64 does not fit
   a signed BIGINT, and the wire format is already a decimal string.
 """
 
@@ -129,7 +130,7 @@ class Job(Base):
     deleted_at: Mapped[datetime | None]
     queue_seq: Mapped[int] = mapped_column(BigInteger, QUEUE_SEQ, unique=True)
 
-    # The admitted plan, flattened for people's queries (DESIGN.md §5).
+    # The admitted plan, flattened for people's queries (docs/ARCHITECTURE.md#job-store).
     adapter_name: Mapped[str] = mapped_column(String(255), index=True)
     effective_seed: Mapped[str] = mapped_column(String(20))
     optimizer_kind: Mapped[str] = mapped_column(String(32))
@@ -173,7 +174,7 @@ class Job(Base):
 
     @property
     def progress(self) -> float:
-        """global_step / total_steps in [0, 1]; 1.0 once completed (kiln-contract §1.4)."""
+        """global_step / total_steps in [0, 1]; 1.0 once completed (docs/ARCHITECTURE.md#job-states)."""
         if self.state == states.COMPLETED:
             return 1.0
         if self.total_steps <= 0:
@@ -182,7 +183,7 @@ class Job(Base):
 
 
 class Admission(Base):
-    """The pinned plan of one job (`prepared_sft_admissions`, kiln-contract §1.5 step 7).
+    """The pinned plan of one job (`prepared_sft_admissions`, docs/ARCHITECTURE.md#pinning).
 
     The worker re-verifies every pinned fact at dequeue and fails the job on drift. The data
     travels either as the materialised normalised `examples` or as a server-local
@@ -276,7 +277,7 @@ class ValidationEvaluation(Base):
 
 
 class Checkpoint(Base):
-    """One published exact checkpoint (`checkpoints`, kiln-contract §5)."""
+    """One published exact checkpoint (`checkpoints`, docs/checkpoints.md)."""
 
     __tablename__ = "checkpoints"
 
@@ -294,7 +295,7 @@ class Checkpoint(Base):
 
 
 class Adapter(Base):
-    """One published PEFT adapter (`adapters`, kiln-contract §6); soft-deleted by name."""
+    """One published PEFT adapter (`adapters`, docs/artifacts.md#peft-adapter); soft-deleted by name."""
 
     __tablename__ = "adapters"
 
@@ -313,7 +314,7 @@ class Adapter(Base):
 
 
 class Runner(Base):
-    """A resident worker's identity and heartbeat (`runners`, DESIGN.md §1)."""
+    """A resident worker's identity and heartbeat (`runners`, docs/ARCHITECTURE.md#processes)."""
 
     __tablename__ = "runners"
     __table_args__ = (CheckConstraint(f"state IN ({_in(states.RUNNER_STATES)})", name="state"),)

@@ -1,5 +1,6 @@
 """The queue as people see it: FIFO positions by admission order and the admission limits'
-counts (kiln-contract §1.4 `QueueResponse`, §1.6 `training_queue_full` / `training_tracked_full`).
+counts (`QueueResponse`, docs/ARCHITECTURE.md#job-states; `training_queue_full` /
+`training_tracked_full`, docs/errors.md#codes).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ def list_queued(session: Session) -> list[Job]:
 
 
 def queue_positions(session: Session) -> dict[str, int]:
-    """1-based FIFO position of every queued job, by admission order (kiln-contract §1.4)."""
+    """1-based FIFO position of every queued job, by admission order (docs/ARCHITECTURE.md#job-states)."""
     ids = session.scalars(
         select(Job.id).where(Job.state == states.QUEUED, Job.deleted_at.is_(None)).order_by(Job.queue_seq)
     )

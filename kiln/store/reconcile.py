@@ -1,4 +1,4 @@
-"""What the reconciler asks of the store (DESIGN.md §1, peers.md §3.4).
+"""What the reconciler asks of the store (docs/recovery.md#reconciler).
 
 Two kinds of stray jobs: committed but never published (the api died between commit and
 publish), and running with an expired lease (the worker died). The first are republished;
@@ -35,9 +35,9 @@ def unpublished_jobs(session: Session, older_than: datetime) -> list[Job]:
     return list(session.scalars(query.order_by(Job.queue_seq)))
 
 
-def stale_doorbells(session: Session, older_than: datetime) -> list[Job]:
+def lost_message_jobs(session: Session, older_than: datetime) -> list[Job]:
     """Queued jobs (no cancel requested) whose message went out before `older_than` and that are
-    still waiting: the reconciler of a worker idle since before `older_than` rings them again,
+    still waiting: the reconciler of a worker idle since before `older_than` publishes them again,
     since a message in the broker would have reached it (the broker lost it: restarted without
     persistence, flushed, or the message sits unacknowledged with a worker that died)."""
     query = select(Job).where(
@@ -51,7 +51,7 @@ def stale_doorbells(session: Session, older_than: datetime) -> list[Job]:
 
 
 def restamp_published(session: Session, job_id: str, seen: datetime, now: datetime | None = None) -> bool:
-    """Move a queued job's `published_at` from `seen` to now (its doorbell is rung again); False
+    """Move a queued job's `published_at` from `seen` to now (its message is published again); False
     when another reconciler did it first or the job left the queue."""
     result = session.execute(
         update(Job)

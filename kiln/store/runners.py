@@ -1,4 +1,4 @@
-"""Resident runners: a worker's identity and heartbeat in `runners` (DESIGN.md §1).
+"""Resident runners: a worker's identity and heartbeat in `runners` (docs/ARCHITECTURE.md#processes).
 
 The worker registers what it holds resident (backend, device, dtypes, loss route, optimizer
 support, execution identity, free memory) and refreshes a heartbeat; the api admits against

@@ -1,13 +1,14 @@
-"""Job and runner states, service failure reasons and event kinds (kiln-contract §1.5, §4.1).
+"""Job and runner states, service failure reasons and event kinds (docs/ARCHITECTURE.md#job-states,
+docs/errors.md#failure-reasons).
 
 Defined once here; the models' CHECK constraints, the migrations and every caller use these
 names. The contract has no `cancelled` state: a cancelled job ends `failed` with
-`failure_reason = "cancelled"` (kiln-contract §1.4).
+`failure_reason = "cancelled"`.
 """
 
 from __future__ import annotations
 
-# kiln-contract §1.5 `TrainingState`
+# `TrainingState` (docs/ARCHITECTURE.md#job-states)
 QUEUED = "queued"
 RUNNING = "running"
 COMPLETED = "completed"
@@ -18,7 +19,7 @@ TERMINAL_STATES = (COMPLETED, FAILED)
 JOB_TYPE_SFT = "sft"
 
 # Failure reasons the service itself assigns; the trainer's receipt categories
-# (kiln_train.errors.FAILURE_REASONS, kiln-contract §4.1) are stored verbatim beside them.
+# (kiln_train.errors.FAILURE_REASONS, docs/errors.md#failure-reasons) are stored verbatim beside them.
 REASON_CANCELLED = "cancelled"
 REASON_WORKER_LOST = "worker_lost"
 REASON_PLAN_DRIFT = "plan_drift"

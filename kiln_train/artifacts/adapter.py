@@ -1,8 +1,8 @@
 """PEFT adapter directories: writing, atomic publication, reading, the adapter manifest.
 
-kiln-contract §6. Tensor names are the Hugging Face module paths under PEFT's
-`base_model.model.` root (DESIGN §3 **beyond**), so PEFT and serving engines load the adapter
-without a key remap.
+docs/artifacts.md#peft-adapter. Tensor names are the Hugging Face module paths under PEFT's
+`base_model.model.` root (docs/artifacts.md#tensor-names), so PEFT and serving engines load the
+adapter without a key remap.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def check_adapter_name(name: str) -> str:
 
 
 def adapter_config(rank: int, alpha: float) -> dict:
-    """`adapter_config.json`: exactly the keys of kiln-contract §6.2."""
+    """`adapter_config.json`: exactly the keys of docs/artifacts.md#adapter-config."""
     return {
         "r": rank,
         "lora_alpha": float(alpha),

@@ -1,6 +1,6 @@
 """Identity objects: base-weight shard manifest, model/tokenizer digests, execution provenance.
 
-kiln-contract §4.3. Torch-free at import; `runtime_versions()` imports torch lazily.
+docs/artifacts.md#provenance. Torch-free at import; `runtime_versions()` imports torch lazily.
 """
 
 from __future__ import annotations

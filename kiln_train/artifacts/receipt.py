@@ -1,4 +1,4 @@
-"""`train_receipt.json` (kiln-contract §4): one SFT attempt, success or failure.
+"""`train_receipt.json` (docs/artifacts.md#train-receipt): one SFT attempt, success or failure.
 
 The receipt is evidence about a run, not a checkpoint: the loss curve lives in the job store and in
 checkpoints' `sft_loop_state.json`.
@@ -93,8 +93,8 @@ def build_receipt(
     }
     if status == "failed":
         receipt["failure_message"] = failure_message
-    # `|null` fields are always present; `?` fields (kiln-contract §4.2) are omitted when unknown
-    # rather than written as null.
+    # `|null` fields are always present; `?` fields (docs/artifacts.md#receipt-fields) are omitted
+    # when unknown rather than written as null.
     receipt.update(_provenance_sections(facts, output))
     receipt.update(_training_sections(facts, succeeded=status == "success"))
     receipt.update(
@@ -268,7 +268,7 @@ def _config_hashes(facts: RunFacts) -> dict:
 
 
 def adapter_manifest(receipt: dict, hashes: dict, *, parent_adapter: str | None) -> dict:
-    """`adapter_manifest.json` (kiln-contract §6.4), written only for a successful run."""
+    """`adapter_manifest.json` (docs/artifacts.md#adapter-manifest), written only for a successful run."""
     ident = receipt["tokenizer"]
     return {
         "schema_version": 1,

@@ -1,4 +1,4 @@
-"""Exact training checkpoints (`.kiln-checkpoint`, kiln-contract §5): format, atomic publication,
+"""Exact training checkpoints (`.kiln-checkpoint`, docs/checkpoints.md): format, atomic publication,
 strict loading, resume comparison, the SFT loop state and the epoch order. Torch-free.
 
 The trainer writes with `sft_manifest_draft` + `publish_checkpoint`, reads with

@@ -1,8 +1,8 @@
 """What a writer supplies for a checkpoint manifest, and the SFT records derived from the config.
 
 A `ManifestDraft` is the manifest minus what the publisher computes itself (`schema_version`,
-`manifest_type`, `checkpoint_kind`, `checkpoint_id`, `files`; kiln-contract §5.2 "files is
-computed by the writer"). `sft_manifest_draft` builds the SFT draft from the resolved
+`manifest_type`, `checkpoint_kind`, `checkpoint_id`, `files`: the writer computes `files` itself,
+docs/checkpoints.md#manifest). `sft_manifest_draft` builds the SFT draft from the resolved
 `SftConfig` so the optimizer, scheduler, RNG and state-file records always agree with it.
 Torch-free.
 """

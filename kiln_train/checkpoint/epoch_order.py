@@ -1,6 +1,8 @@
-"""Deterministic per-epoch data order, algorithm `kiln-py.epoch-order.v1` (kiln-contract §5.4).
+"""Deterministic per-epoch data order, algorithm `kiln-py.epoch-order.v1`.
 
-The original Kiln (`kiln.epoch-order.v1`) shuffles with Rust's ChaCha12 `StdRng`, which this
+docs/training-profile.md#data-order.
+
+The Rust implementation (`kiln.epoch-order.v1`) shuffles with Rust's ChaCha12 `StdRng`, which this
 project does not reproduce, so it records its own algorithm name in every checkpoint instead:
 
 `kiln-py.epoch-order.v1`, for a u64 `seed`, a u64 `epoch` and an item count `n`:

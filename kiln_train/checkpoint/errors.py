@@ -1,4 +1,4 @@
-"""`CheckpointError`: every rejection of a `.kiln-checkpoint` (kiln-contract §5.2, §5.5, §5.7).
+"""`CheckpointError`: every rejection of a `.kiln-checkpoint` (docs/checkpoints.md#loading).
 
 It is a `KilnError` with code `training_invalid_request`, so the api surfaces a bad
 `resume_checkpoint` as a 400 whose message names the checkpoint field or file at fault.

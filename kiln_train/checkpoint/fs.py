@@ -1,9 +1,9 @@
 """Filesystem primitives for checkpoints: tree listing, file hashing, fsync, no-replace rename.
 
-Every checkpoint file must be a regular, non-symlink file with exactly one link (kiln-contract
-§5.5 step 4, §5.7): a symlink or a hard link could let another path change a checkpoint after its
-digest was taken. Files are opened with `O_NOFOLLOW` and checked with `fstat` on the same
-descriptor, so a swap between check and read is caught. Linux/POSIX.
+Every checkpoint file must be a regular, non-symlink file with exactly one link
+(docs/checkpoints.md#publication): a symlink or a hard link could let another path change a
+checkpoint after its digest was taken. Files are opened with `O_NOFOLLOW` and checked with `fstat`
+on the same descriptor, so a swap between check and read is caught. Linux/POSIX.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Strict JSON for checkpoint files (kiln-contract §5.1–§5.2).
+"""Strict JSON for checkpoint files (docs/checkpoints.md#manifest).
 
 Checkpoint JSON is read strictly: UTF-8 only, one top-level object, no duplicate keys (a second
 value must not silently win), no NaN/Infinity and no number that overflows to infinity. Written

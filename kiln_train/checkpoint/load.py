@@ -1,4 +1,4 @@
-"""The strict checkpoint loader and status discovery (kiln-contract §5.7).
+"""The strict checkpoint loader and status discovery (docs/checkpoints.md#loading).
 
 `load_checkpoint` is resume admission's full validation: the directory itself (a real
 directory named `*.kiln-checkpoint`, no `.incomplete` sentinel), the manifest (present, single

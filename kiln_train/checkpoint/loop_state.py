@@ -1,4 +1,4 @@
-"""The SFT loop state `sft_loop_state.json` (`kiln.sft-loop-state.v1`, kiln-contract §5.1).
+"""The SFT loop state `sft_loop_state.json` (`kiln.sft-loop-state.v1`, docs/checkpoints.md#loop-state).
 
 It is everything the SFT loop carries from one step to the next besides tensors: the per-step
 loss history, the running epoch sums, the first/best epoch means and the LoRA gradient-norm

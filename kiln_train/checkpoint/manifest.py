@@ -1,4 +1,6 @@
-"""The checkpoint manifest `kiln.training-checkpoint.v1`: typed parts and parsing (kiln-contract §5.1–§5.3).
+"""The checkpoint manifest `kiln.training-checkpoint.v1`: typed parts and parsing.
+
+docs/checkpoints.md#manifest.
 
 Every typed part rejects unknown fields (`extra="forbid"`) and wrong JSON types (`strict`);
 `effective_config`, `auxiliary_state` and `precision_policy.stochastic_rounding` are open
@@ -239,7 +241,7 @@ class OptimizerRecord(BaseModel):
 
 
 class SchedulerState(BaseModel):
-    """The fixed `native_online_lora_v1` scheduler state (seed 000, "exact-checkpoint scheduler record")."""
+    """The fixed `native_online_lora_v1` scheduler state (docs/training-profile.md#the-profile)."""
 
     model_config = _PART
     training_profile: Literal["native_online_lora_v1"]

@@ -1,4 +1,4 @@
-"""Atomic publication of a `.kiln-checkpoint` directory (kiln-contract §5.5).
+"""Atomic publication of a `.kiln-checkpoint` directory (docs/checkpoints.md#publication).
 
 1. Refuse if the target exists (checkpoint names are immutable).
 2. Create the hidden sibling staging dir `.<basename>.incomplete-<uuid4>`.

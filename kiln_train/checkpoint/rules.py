@@ -1,4 +1,5 @@
-"""What a checkpoint manifest must mean, beyond its shape (kiln-contract §5.2, §5.3, §5.7).
+"""What a checkpoint manifest must mean, beyond its shape (docs/checkpoints.md#manifest,
+docs/checkpoints.md#bound-identities).
 
 `validate_manifest` runs every rule that needs only the manifest: the §5.2 validation list, the
 SFT cross-bindings (seed, learning rate, optimizer, data arithmetic, the recomputed epoch order)

@@ -1,6 +1,6 @@
 """Qwen3.5 chat templates: the official inference template and Kiln's SFT training template.
 
-Seed 002 "Conversation rendering" / "HF and TRL equivalence"; kiln-contract §3.7, §4.3.
+docs/tokenization.md#templates.
 
 - `qwen3_5_chat_template.jinja` is the model's own artifact (the official Qwen3.5 think template,
   byte-identical to TRL's `qwen3_5_think.jinja`). A checkpoint whose chat_template differs is
@@ -175,7 +175,7 @@ def official_chat_template() -> str:
 
 
 def training_chat_template_sha256() -> str:
-    """Hex SHA-256 of the marker-free effective training template (kiln-contract §4.3)."""
+    """Hex SHA-256 of the marker-free effective training template (docs/tokenization.md#templates)."""
     return training_template().sha256
 
 
@@ -251,7 +251,8 @@ def official_chat_templates() -> dict[str, str]:
 
 
 def select_training_template(model_chat_template: str | None) -> ChatTemplate:
-    """Validate the source-pinned model template and select the training variant (seed 002).
+    """Validate the source-pinned model template and select the training variant
+    (docs/tokenization.md#templates).
 
     Like TRL, selection is by exact string equality with an official Qwen3.5 template: the think
     template (4B and larger) or the nothink one (2B and smaller). Their training variants (TRL's

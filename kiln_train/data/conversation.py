@@ -1,4 +1,4 @@
-"""One SFT example: schema check, normalisation and the render-ready form (kiln-contract §3.2, §3.4).
+"""One SFT example: schema check, normalisation and the render-ready form (docs/ingestion.md#validation).
 
 Rows are OpenAI-shaped: `{"messages": [...], "tools": [...]?}`; other example-level keys are
 ignored (they never reach rendering or row identity). Checked in contract order:
@@ -43,8 +43,8 @@ a difference from TRL on a conversation Kiln admits):
   otherwise train an empty answer in place of the call or the refusal text (`unrenderable_field`,
   `tokenization_error`; `null` values, as OpenAI exports write them, are fine).
 - turns after the last assistant message are kept as unsupervised context: the contract's only
-  supervision requirement is at least one supervised token (seed 002: "a training sequence ends
-  after the final serialized message").
+  supervision requirement is at least one supervised token, and a training sequence ends after
+  the last rendered message (docs/tokenization.md#rendering).
 
 The parsed row (what `kiln.sft-parsed-row.v1` hashes) is `{"messages": [...]}` plus `"tools"` when
 present. Each message has `role`, `content` (a string, or the list of content parts as given),

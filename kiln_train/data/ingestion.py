@@ -1,4 +1,4 @@
-"""SFT ingestion: rows in, tokenized rows and the `kiln.sft-ingestion.v1` receipt out (kiln-contract §3).
+"""SFT ingestion: rows in, tokenized rows and the `kiln.sft-ingestion.v1` receipt out (docs/ingestion.md).
 
 Every transport reaches one path: parse -> row identity -> role checks -> render (training
 template) -> tokenize -> assistant-only labels -> row checks. No truncation, packing, splitting or
@@ -253,8 +253,9 @@ def _parse(obj) -> tuple[dict, str]:
 
 def _example_rows(examples: list, t: IngestionTimings, field: str = "examples") -> list[_SourceRow]:
     """Inline examples are one request body: every example must deserialise before any row is
-    processed, so a malformed example is reported as the transport error it is (kiln-contract §3.2).
-    `field` is the request field the examples came from (`validation.examples` for held-out rows)."""
+    processed, so a malformed example is reported as the transport error it is
+    (docs/ingestion.md#validation). `field` is the request field the examples came from
+    (`validation.examples` for held-out rows)."""
     t0 = time.perf_counter()
     rows = []
     for i, obj in enumerate(examples):
@@ -311,8 +312,8 @@ def _encode_all(tokenizer, texts: list[str]) -> list:
     """Encodings of `texts`, batched; a text the tokenizer refuses gets its error message instead.
 
     The normaliser keeps text the tokenizer cannot take out of rendering, so the per-row retry is a
-    backstop: one row must never take down the rows batched with it (kiln-contract §3.2 step 4:
-    a tokenizer failure is that row's `tokenization_error`).
+    backstop: one row must never take down the rows batched with it (a tokenizer failure is that
+    row's `tokenization_error`, docs/ingestion.md#validation).
     """
     try:
         return tokenizer.encode_batch(texts, add_special_tokens=False)
@@ -457,7 +458,10 @@ def select_rows(
 def apply_invalid_row_policy(
     outcomes: Iterable[RowOutcome], policy: str, source: str, source_locator: str | None
 ) -> IngestionResult:
-    """Apply `fail`/`skip` to row outcomes in order and build the receipt (kiln-contract §3.3)."""
+    """Apply `fail`/`skip` to row outcomes in order and build the receipt.
+
+    docs/ingestion.md#invalid-row-policy.
+    """
     if policy not in POLICIES:
         raise invalid_request(f"invalid_row_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     if source not in SOURCES:

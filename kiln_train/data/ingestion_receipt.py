@@ -1,4 +1,6 @@
-"""The SFT ingestion receipt `kiln.sft-ingestion.v1` (kiln-contract §3.5): build and validate.
+"""The SFT ingestion receipt `kiln.sft-ingestion.v1`: build and validate.
+
+docs/ingestion.md#ingestion-receipt.
 
 Stored at `train_receipt.json -> data.sft_ingestion`. Invariants (enforced on write and read):
 schema exact; source in the enum; `source_locator` non-blank when present (omitted for inline);
@@ -62,7 +64,7 @@ def build_ingestion_receipt(
     kept_row_hashes: list[str],
     rejected_rows: list[dict],
 ) -> dict:
-    """The `kiln.sft-ingestion.v1` object (kiln-contract §3.5), validated before it is returned."""
+    """The `kiln.sft-ingestion.v1` object, validated before it is returned."""
     receipt: dict = {"schema": INGESTION_SCHEMA, "source": source}
     if source_locator is not None:
         receipt["source_locator"] = source_locator
@@ -117,7 +119,7 @@ def _bad(why: str) -> KilnError:
 
 
 def validate_ingestion_receipt(obj) -> None:
-    """Enforce every `kiln.sft-ingestion.v1` invariant (kiln-contract §3.5); KilnError if one fails."""
+    """Enforce every `kiln.sft-ingestion.v1` invariant; KilnError if one fails."""
     bad = _bad
     if not isinstance(obj, dict):
         raise bad("expected an object")

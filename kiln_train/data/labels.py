@@ -1,6 +1,6 @@
 """Assistant-only labels from supervised character spans (mask contract `kiln.qwen35-assistant-only.v1`).
 
-Seed 002 "Assistant-only labels"; kiln-contract §3.7. The marker-free rendered text is tokenized
+docs/tokenization.md#assistant-only-labels. The marker-free rendered text is tokenized
 once (`add_special_tokens=False`); a token is supervised iff its character offsets overlap a
 supervised span. Because every span covers whole tokens, that is the token containing the span's
 first character through the token containing its last character -- the rule Transformers applies

@@ -1,4 +1,4 @@
-"""SFT row identity: the three domain-separated SHA-256 digests of kiln-contract §3.4.
+"""SFT row identity: three domain-separated SHA-256 digests (docs/ingestion.md#row-identity).
 
 - parsed row: SHA256(b"kiln.sft-parsed-row.v1\\0" + canonical JSON of the normalised example)
 - raw row (rows with no parsed form, i.e. `invalid_json`): SHA256(b"kiln.sft-raw-row.v1\\0" + trimmed line)

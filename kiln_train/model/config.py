@@ -1,4 +1,4 @@
-"""Qwen3.5 text-model shape, read from a Hugging Face `config.json` (qwen35.md §1).
+"""Qwen3.5 text-model shape, read from a Hugging Face `config.json` (docs/model.md#configuration).
 
 Torch-free: the api uses it for memory admission and the optimizer support report.
 """
@@ -16,7 +16,7 @@ CONFIG_FILE = "config.json"
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
 
-# The ten LoRA targets of the contract, in the contract's order (kiln-contract §6.2): the
+# The ten LoRA targets of the contract, in the contract's order (docs/training-profile.md#lora): the
 # full-attention projections, the Gated DeltaNet projections, then the MLP's.
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 GDN_TARGETS = ("in_proj_qkv", "in_proj_z", "out_proj")
@@ -28,7 +28,8 @@ LORA_TARGET_MODULES = ATTENTION_TARGETS + GDN_TARGETS + MLP_TARGETS
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-# The canonical Qwen3.5-4B text config (qwen35.md §1.1): 8 full-attention layers at (i+1) % 4 == 0.
+# The canonical Qwen3.5-4B text config (docs/model.md#configuration): 8 full-attention layers at
+# (i+1) % 4 == 0.
 QWEN35_4B_TEXT_CONFIG = {
     "vocab_size": 248320,
     "hidden_size": 2560,
@@ -141,7 +142,7 @@ class Qwen35Config:
         return sum(p.in_features + p.out_features for p in self.projections())
 
     def model_maximum_rank(self) -> int:
-        """Smallest in/out dimension over trained projections (kiln-contract §2.2)."""
+        """Smallest in/out dimension over trained projections (docs/optimizers.md#rank-ranges)."""
         return min(min(p.in_features, p.out_features) for p in self.projections())
 
     def max_feature_dim(self) -> int:

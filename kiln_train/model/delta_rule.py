@@ -1,4 +1,4 @@
-"""The gated delta rule of the Gated DeltaNet layers (qwen35.md §2.4 steps 5–8).
+"""The gated delta rule of the Gated DeltaNet layers (docs/model.md#gated-deltanet).
 
 All three implementations take the same arguments, FLA's convention:
 q, k [B, T, Hk, dk] raw (before L2 normalisation), v [B, T, Hv, dv], g (log-decay ≤ 0) and

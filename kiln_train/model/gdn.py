@@ -1,5 +1,5 @@
 """Gated DeltaNet token mixer of the Qwen3.5 layers where layer_types[i] == "linear_attention"
-(qwen35.md §2.4, pitfalls §8.3–8.8).
+(docs/model.md#gated-deltanet).
 
 in_proj_qkv → causal depthwise conv (kernel K, no bias) + SiLU over the concatenated
 [q (Nk·dk) | k (Nk·dk) | v (Nv·dv)] channels → split into heads; beta = sigmoid(in_proj_b x);

@@ -1,9 +1,9 @@
 """A bias-free linear projection with a frozen base matrix and an optional LoRA pair.
 
-Seed 000 "Frozen parameter ownership": the base matrix is a buffer (a saved constant), so autograd
+docs/training-profile.md#frozen-base: the base matrix is a buffer (a saved constant), so autograd
 computes only the activation gradient through it and never a base-weight gradient. When a LoRA
 pair is attached, y = x·Wᵀ + scale·(x·Aᵀ)·Bᵀ with A [r, in] and B [out, r] trainable leaves and no
-dropout (kiln-contract §2.5).
+dropout (docs/training-profile.md#lora).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Load a Hugging Face Qwen3.5 checkpoint directory into a `Qwen35Model` (qwen35.md §1, §2.5, §3).
+"""Load a Hugging Face Qwen3.5 checkpoint directory into a `Qwen35Model` (docs/model.md#loading).
 
 Accepted layouts: `config.json` with or without the VL wrapper (`text_config`); one
 `model.safetensors` or shards listed by `model.safetensors.index.json`; trunk tensors under
@@ -57,7 +57,7 @@ class ModelCheckpointError(KilnError):
 
 
 def resolve_dtype(device: torch.device, dtype: torch.dtype | None) -> torch.dtype:
-    """The backend's base dtype for `device` unless `dtype` is given (DESIGN §3)."""
+    """The backend's base dtype for `device` unless `dtype` is given (docs/training-profile.md#backends)."""
     if dtype is not None:
         return dtype
     name = "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}"

@@ -1,4 +1,4 @@
-"""LoRA adapters on the ten Qwen3.5 targets (kiln-contract §2.5, §6.3; DESIGN §3 "beyond").
+"""LoRA adapters on the ten Qwen3.5 targets (docs/training-profile.md#lora, docs/artifacts.md#tensor-names).
 
 Targets (LORA_TARGET_MODULES): q_proj k_proj v_proj o_proj (self_attn), in_proj_qkv in_proj_z
 out_proj (linear_attn), gate_proj up_proj down_proj (mlp). Names are the PEFT keys of the Hugging

@@ -1,4 +1,4 @@
-"""SwiGLU MLP of every Qwen3.5 decoder layer: down(silu(gate(x)) · up(x)), no biases (qwen35.md §2.2)."""
+"""SwiGLU MLP of every Qwen3.5 decoder layer: down(silu(gate(x)) · up(x)), no biases (docs/model.md#mlp)."""
 
 from __future__ import annotations
 

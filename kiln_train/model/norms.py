@@ -1,12 +1,12 @@
-"""The two RMSNorms of Qwen3.5 (qwen35.md §2.1, pitfall §8.1).
+"""The two RMSNorms of Qwen3.5 (docs/model.md#norms).
 
 - `rms_norm_offset`: Gemma-style zero-centred norm, y = x·rsqrt(mean(x²)+eps)·(1+w), used for the
   block norms, the final norm and the attention q/k norms. Checkpoints store the offset w.
 - `gated_rms_norm`: the GDN output norm, y = [x·rsqrt(mean(x²)+eps)]·w·silu(z), plain w (no offset).
 
 Both normalise in fp32 (or f64 when the input is f64) and cast back to the input dtype in the same
-places transformers does, so bf16 runs round identically. The weights are frozen buffers (seed 000
-"Frozen parameter ownership": norm weights are saved constants).
+places transformers does, so bf16 runs round identically. The weights are frozen buffers, saved
+constants (docs/training-profile.md#frozen-base).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def rms_norm_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Plain-w RMSNorm of x times silu(gate), per head over the last axis (qwen35.md §2.1)."""
+    """Plain-w RMSNorm of x times silu(gate), per head over the last axis (docs/model.md#norms)."""
     cdt = compute_dtype(x.dtype)
     xf = x.to(cdt)
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)

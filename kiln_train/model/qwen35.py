@@ -1,4 +1,4 @@
-"""The native Qwen3.5 text causal LM (qwen35.md §2.2; DESIGN §3).
+"""The native Qwen3.5 text causal LM (docs/model.md#forward).
 
     h = Embed[input_ids]                                   (no scaling)
     per layer: h += GDN(norm1(h)) or GatedAttn(norm1(h));  h += SwiGLU(norm2(h))
@@ -6,8 +6,9 @@
 
 Every base tensor is a buffer under its Hugging Face name (without the `model.` /
 `model.language_model.` prefix), so the base is frozen structurally: autograd never computes a base
-weight gradient and the embedding output is not differentiable w.r.t. the table (seed 000 "Frozen
-parameter ownership"). The only trainable leaves are LoRA pairs added by `attach_lora`.
+weight gradient and the embedding output is not differentiable w.r.t. the table
+(docs/training-profile.md#frozen-base). The only trainable leaves are LoRA pairs added by
+`attach_lora`.
 """
 
 from __future__ import annotations

@@ -53,6 +53,22 @@ def device_description(device: str) -> str:
     return f"cpu:{platform.processor() or platform.machine()}"
 
 
+def missing_device(device: str, fix: str = "train on device 'cpu' or where a GPU is visible") -> str | None:
+    """Why `device` cannot be used by this process's torch, or None when it can; `fix` ends the
+    answer when no CUDA device is visible at all."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        build = "without CUDA" if torch.version.cuda is None else f"with CUDA {torch.version.cuda}"
+        return f"torch {torch.__version__} (built {build}) sees no CUDA device; {fix}"
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        return f"only {torch.cuda.device_count()} CUDA device(s) are visible (cuda:0..)"
+    return None
+
+
 def compiled_features(backend: Backend) -> list[str]:
     """Kernel paths this process will execute with (recorded in the execution provenance)."""
     features = ["torch-chunked-gdn", "sdpa-attention", "chunked-linear-ce"]

@@ -1,4 +1,4 @@
-"""Partial rotary position embedding of the gated full-attention layers (qwen35.md §2.3 step 4).
+"""Partial rotary position embedding of the gated full-attention layers (docs/model.md#gated-attention).
 
 inv_freq_j = θ^(−2j/r) for j < r/2 over the rotary slice r = head_dim · partial_rotary_factor;
 cos/sin are the r/2 angles duplicated to r; rotate-half acts inside the first r channels of each

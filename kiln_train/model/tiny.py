@@ -4,9 +4,10 @@
 - `config.json`: the VL wrapper (`Qwen3_5ForConditionalGeneration`, model_type `qwen3_5`) with a
   `text_config` (model_type `qwen3_5_text`) that carries layer_types, rope_parameters (θ 1e7,
   partial rotary 0.25, an mRoPE section summing to rotary_dim/2, interleaved), the tie flag,
-  `mtp_num_hidden_layers: 1` and `dtype: bfloat16` — the shape of the real Qwen3.5 configs (qwen35.md §1).
+  `mtp_num_hidden_layers: 1` and `dtype: bfloat16` — the shape of the real Qwen3.5 configs
+  (docs/model.md#configuration).
 - `model.safetensors`: trunk tensors under `model.language_model.` and the MTP block under `mtp.`
-  (qwen35.md §2.5, §3), stored in bfloat16 like the real checkpoints (or in the dtype an override of
+  (docs/model.md#loading), stored in bfloat16 like the real checkpoints (or in the dtype an override of
   `dtype` names: float32, float16). Every value is drawn in f32
   and rounded to bf16 once, so a loader that upcasts to f32 (the CPU backend, transformers with
   dtype=float32) sees exactly the same numbers on both sides of a parity test.
@@ -131,7 +132,7 @@ def text_config(preset: str = "tiny", overrides: dict | None = None) -> dict:
 
 
 def wrapper_config(text: dict) -> dict:
-    """The VL wrapper `config.json` around a text_config (qwen35.md §1.3)."""
+    """The VL wrapper `config.json` around a text_config (docs/model.md#configuration)."""
     return {
         "architectures": ["Qwen3_5ForConditionalGeneration"],
         "model_type": "qwen3_5",

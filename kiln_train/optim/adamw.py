@@ -1,6 +1,6 @@
 """AdamW with decoupled weight decay, bias correction and per-parameter step counters.
 
-Seed `000_*` "Optimizers and learning rate" and "AdamW numerical qualification". The f32 lane
+docs/optimizers.md#hyperparameters and docs/optimizers.md#adamw-qualification. The f32 lane
 math is written as the same tensor operations, in the same order and with the same double-precision
 scalars, as eager `torch.optim.AdamW(foreach=False, fused=False)` (the oracle of
 `qualification/adamw_pytorch_oracle.py`):

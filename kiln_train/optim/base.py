@@ -1,6 +1,6 @@
 """The common optimizer interface: an all-or-nothing step over an exact gradient set.
 
-Implements seed `000_*` "Exact gradient-set boundary" and "Precision and optimizer state":
+See docs/training-profile.md#gradient-set and docs/optimizers.md#precision:
 
 - `step(grads)` first checks the whole gradient set (exact key set, each gradient's shape, dtype
   and device equal to its leaf's, every value finite) and raises `GradientSetError` before any
@@ -9,8 +9,8 @@ Implements seed `000_*` "Exact gradient-set boundary" and "Precision and optimiz
   state) to f32 temporaries, updated with the same f32 math and rounded once, to nearest even,
   back into the resident bf16 tensors. Nothing f32 survives between steps (no master copy).
 - State serialises to f32 CPU tensors plus per-parameter `uint32` step counters keyed as
-  kiln-contract §5.1 says (`state.py` owns the key layout), and restores into the resident
-  dtype and device.
+  docs/checkpoints.md#optimizer-state says (`state.py` owns the key layout), and restores into
+  the resident dtype and device.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ class Optimizer(ABC):
     def _update(self, name: str, param: Tensor, grad: Tensor) -> None:
         """Apply one update to `param` in place (under no_grad, after the set was validated)."""
 
-    # ----- serialisation (kiln-contract §5.1) -------------------------------------------
+    # ----- serialisation (docs/checkpoints.md#optimizer-state) ---------------------------
     def state_tensors(self) -> dict[str, Tensor]:
         """F32 CPU copies of every state buffer plus `uint32 [1]` step counters; empty when stateless."""
         out: dict[str, Tensor] = {}

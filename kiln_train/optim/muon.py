@@ -1,6 +1,6 @@
 """Muon: momentum, Newton–Schulz orthogonalisation, shape-aware scale, decoupled weight decay.
 
-Seed `000_*` "Optimizers and learning rate". Per LoRA matrix `W` of shape `[rows, cols]`:
+docs/optimizers.md#hyperparameters. Per LoRA matrix `W` of shape `[rows, cols]`:
 
     buf  = momentum * buf + g
     u    = g + momentum * buf      (nesterov)   |   u = buf   (plain heavy ball)

@@ -1,4 +1,4 @@
-"""Replay of the AdamW PyTorch oracle fixture (seed `000_*` "AdamW numerical qualification").
+"""Replay of the AdamW PyTorch oracle fixture (docs/optimizers.md#adamw-qualification).
 
 The fixture (`qualification/fixtures/adamw_pytorch_oracle_v1.json`, written by
 `qualification/adamw_pytorch_oracle.py`) records eager `torch.optim.AdamW(foreach=False,

@@ -1,4 +1,4 @@
-"""Plain SGD, `p <- p - lr * g`: stateless (seed `000_*` "Optimizers and learning rate")."""
+"""Plain SGD, `p <- p - lr * g`: stateless (docs/optimizers.md#hyperparameters)."""
 
 from __future__ import annotations
 

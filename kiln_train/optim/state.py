@@ -1,4 +1,6 @@
-"""Optimizer state serialisation: the `optimizer.safetensors` key layout (kiln-contract §5.1).
+"""Optimizer state serialisation: the `optimizer.safetensors` key layout.
+
+docs/checkpoints.md#optimizer-state.
 
 Every state array is stored as F32 and every per-parameter step counter as U32 shape [1]:
 

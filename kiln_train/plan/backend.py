@@ -1,4 +1,4 @@
-"""Backend facts fixed at worker start (DESIGN §3). Nothing here is configurable.
+"""Backend facts fixed at worker start (docs/training-profile.md#backends). Nothing here is configurable.
 
 | backend | base / LoRA / optimizer-state dtype | SFT loss route | optimizer route    | Muon rank |
 | cuda    | bf16 / bf16 / bf16                   | kt_tape_flce   | native_device_hook | 2..=48    |
@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-# SFT loss route enum (seed 000 "Backend-owned SFT loss routing").
+# SFT loss route enum (docs/training-profile.md#loss-route).
 KT_TAPE_FLCE = "kt_tape_flce"
 FULL_LOGITS = "full_logits"
 VULKAN_ACTIVE_ROWS = "vulkan_active_rows"
 SFT_LOSS_ROUTES = (KT_TAPE_FLCE, VULKAN_ACTIVE_ROWS, FULL_LOGITS)
 
-# Optimizer implementation routes (kiln-contract §2.3).
+# Optimizer implementation routes (docs/optimizers.md#support-report).
 NATIVE_DEVICE_HOOK = "native_device_hook"
 PORTABLE_REFERENCE = "portable_reference"
 
@@ -52,7 +52,7 @@ class Backend:
         return 4 if self.base_weight_dtype == "f32" else 2
 
     def precision_policy(self, optimizer_kind: str) -> dict:
-        """`runtime.training_precision` / checkpoint `precision_policy` (kiln-contract §2.4)."""
+        """`runtime.training_precision` / checkpoint `precision_policy` (docs/optimizers.md#precision)."""
         return {
             "parameter_dtype": self.lora_dtype,
             "optimizer_state_dtype": "none" if optimizer_kind == "sgd" else self.optimizer_state_dtype,

@@ -1,5 +1,6 @@
 """The memory budget a training step may use on the resident device (`[memory]` settings), the
-host's available memory, and the CPU allocator policy the estimate assumes. Torch-free.
+device's free and total memory, and the CPU allocator policy the estimate assumes. Torch-free
+at import (only a CUDA device's query imports torch).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def available_budget(
     reserve_gb: float,
     training_memory_gb: float | None = None,
 ) -> int:
-    """Bytes a training step may use on the resident device (kiln-contract §7.4, `[memory]`).
+    """Bytes a training step may use on the resident device (docs/memory.md#budget, `[memory]`).
 
     `free_bytes` is what the device reports with the model already resident (CUDA
     `torch.cuda.mem_get_info()[0]` in the worker; CPU `cpu_available_bytes()`), bounded by
@@ -60,6 +61,24 @@ def cpu_available_bytes(meminfo: str | Path = "/proc/meminfo", cgroup: str | Pat
     except (OSError, ValueError):
         pass
     return available
+
+
+def device_memory(device: str) -> tuple[int | None, int | None]:
+    """(free, total) bytes of the resident device; CPU: MemAvailable and MemTotal."""
+    if device.startswith("cuda"):
+        import torch
+
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        return int(free), int(total)
+    total = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    total = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return cpu_available_bytes(), total
 
 
 # glibc mallopt parameters (malloc.h).

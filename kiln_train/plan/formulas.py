@@ -1,4 +1,4 @@
-"""Byte formulas of one SFT step in THIS implementation (kiln-contract §7.2-§7.3, ours).
+"""Byte formulas of one SFT step in THIS implementation (docs/memory.md#components).
 
 Torch-free: `kiln_train.plan.memory` combines these terms into the admission `Breakdown`. Every term
 is an upper bound of bytes live at the step's peak; `qualification/memory_honesty.py` measures
@@ -183,7 +183,7 @@ def boundary_bytes(config: Qwen35Config, t: int, e: int, num_segments: int) -> i
 
 
 def loss_workspace_bytes(config: Qwen35Config, route: str, t: int, a: int, e: int) -> int:
-    """Peak bytes of the loss route on top of the retained activations (kiln-contract §7.3, ours).
+    """Peak bytes of the loss route on top of the retained activations (docs/memory.md#loss-workspace).
 
     kt_tape_flce (`kiln_train.train.loss.ChunkedLinearCrossEntropy`): the gathered rows [A, h] (e), an
     f32 upcast of them when e < 4, the f32 target head rows and their product with the rows, the

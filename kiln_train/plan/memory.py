@@ -1,5 +1,5 @@
 """The memory estimate of one SFT step: the working-set `Breakdown` and `estimate`, which computes
-it for this implementation (kiln-contract §7; seed 000 "Admission and execution binding").
+it for this implementation (docs/memory.md; pinned at admission: docs/ARCHITECTURE.md#pinning).
 
 Torch-free: the api prices a request with nothing but the model's `config.json` numbers.
 
@@ -52,7 +52,7 @@ def saturate(value: int) -> int:
 
 @dataclass(frozen=True)
 class Breakdown:
-    """Bytes of one SFT step's working set (kiln-contract §7.2), plus the inputs that priced it."""
+    """Bytes of one SFT step's working set (docs/memory.md#components), plus the inputs that priced it."""
 
     base_weights: int
     per_segment_activations: int
@@ -125,7 +125,7 @@ def estimate(
     backend: Backend,
     weights_resident: bool,
 ) -> Breakdown:
-    """The working set of one SFT step (kiln-contract §7.2) for this implementation.
+    """The working set of one SFT step (docs/memory.md#components) for this implementation.
 
     `weights_resident=True` when the budget was measured with the model already loaded (the
     worker's CUDA free memory), so base weights are not charged again.

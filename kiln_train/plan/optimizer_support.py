@@ -1,7 +1,7 @@
 """The `kiln.training-optimizer-support` v1 report and the static optimizer-tuple gate.
 
-Implements seed `000_*` "Precision and optimizer state" and kiln-contract §2.2–§2.3 for the two
-backends of DESIGN §3:
+Precision, rank ranges and the report (docs/optimizers.md#precision, docs/optimizers.md#rank-ranges,
+docs/optimizers.md#support-report) for the two backends (docs/training-profile.md#backends):
 
 | backend | route              | parameter dtypes | Muon rank          | AdamW, SGD rank |
 | cpu     | portable_reference | f32              | 2..=model maximum  | 1..=model maximum |
@@ -96,7 +96,10 @@ def workload_entry(workload: str, tuple_kinds: list[str]) -> dict:
 
 
 def optimizer_support_report(backend: Backend, config: Qwen35Config) -> dict:
-    """`GET /v1/config -> training.optimizer_support` for the resident runner (kiln-contract §2.3)."""
+    """`GET /v1/config -> training.optimizer_support` for the resident runner.
+
+    docs/optimizers.md#support-report.
+    """
     if backend.optimizer_route not in (NATIVE_DEVICE_HOOK, PORTABLE_REFERENCE):
         raise ValueError(f"unknown optimizer route {backend.optimizer_route!r}")
     optimizers = [optimizer_entry(backend, config, kind) for kind in OPTIMIZER_KINDS]

@@ -21,7 +21,7 @@ def will_not_fit_message(
     tried: list[int] | None = None,
     what: str = "training step",
 ) -> str:
-    """The one-line `training_will_not_fit` message of kiln-contract §7.5 plus the advice."""
+    """The one-line `training_will_not_fit` message plus the advice (docs/memory.md#the-413)."""
     return f"{_head(breakdown, available_bytes, what)} {advice(breakdown, rank_ceiling=rank_ceiling, tried=tried)}"
 
 
@@ -92,7 +92,7 @@ def advice(breakdown: Breakdown, *, rank_ceiling: int, tried: list[int] | None =
 def will_not_fit(
     breakdown: Breakdown, available_bytes: int, *, rank_ceiling: int, tried: list[int] | None = None
 ) -> KilnError:
-    """The 413 error: code `training_will_not_fit`, message per kiln-contract §7.5."""
+    """The 413 error: code `training_will_not_fit`, message per docs/memory.md#the-413."""
     error = KilnError(
         TRAINING_WILL_NOT_FIT,
         will_not_fit_message(breakdown, available_bytes, rank_ceiling=rank_ceiling, tried=tried),

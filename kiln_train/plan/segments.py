@@ -68,7 +68,7 @@ def plan_segments(
     available_bytes: int,
     requested_segments: int | None = None,
 ) -> SegmentPlan:
-    """Admit the first plan whose complete bound fits, or raise 400/413 (kiln-contract §7.4).
+    """Admit the first plan whose complete bound fits, or raise 400/413 (docs/memory.md#segment-planning).
 
     An explicit `requested_segments` is honoured as is (413 when it does not fit); otherwise
     1 segment is tried, then 2..=num_layers (never more than 1 for `full_logits`).

@@ -1,4 +1,4 @@
-"""Qualification workloads and their receipts (seed `000_*` "AdamW numerical qualification").
+"""Qualification workloads and their receipts (docs/optimizers.md#adamw-qualification).
 
 `adamw-pytorch-oracle-v1` (described by `qualification/workloads/adamw-pytorch-oracle-v1.json`)
 runs three stages, fail-closed:

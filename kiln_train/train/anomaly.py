@@ -1,4 +1,4 @@
-"""Per-operation anomaly diagnosis (seed 000 "Per-operation anomaly diagnosis").
+"""Per-operation anomaly diagnosis (docs/training-profile.md#anomaly-detection).
 
 With `config.detect_anomaly=true` every backward operation's returned gradients are scanned and
 the first NaN/Inf fails the step with the operation's name and its position on the tape (the

@@ -1,4 +1,4 @@
-"""Adapter canaries (`adapter_smoke_test`, kiln-contract §4.4).
+"""Adapter canaries (`adapter_smoke_test`, docs/artifacts.md#canaries).
 
 For each prompt (raw text, no chat template): last-position logits of the base model and of the
 model with the adapter, then a short greedy generation with and without the adapter (output ends

@@ -24,7 +24,10 @@ def auxiliary_state(
     plan_entries: list,
     plan: dict | None = None,
 ) -> dict:
-    """`auxiliary_state` of an SFT checkpoint (kiln-contract §5.3): everything resume must match."""
+    """`auxiliary_state` of an SFT checkpoint: everything resume must match.
+
+    docs/checkpoints.md#bound-identities.
+    """
     ident = resident.identity
     precision = resident.backend.precision_policy(config.optimizer.kind)
     return {

@@ -1,8 +1,9 @@
-"""The two SFT loss routes (seed 000 "Backend-owned SFT loss routing"; kiln-contract §2.6, DESIGN §3).
+"""The two SFT loss routes (docs/training-profile.md#loss-route).
 
 Both compute the contract loss: the mean next-token cross-entropy over the supervised targets of one
-conversation. `labels` follow the Hugging Face representation of seed 002 (unshifted: `labels[t]`
-is `input_ids[t]` on assistant tokens, -100 elsewhere), so position `t` predicts `labels[t + 1]`.
+conversation. `labels` follow the Hugging Face representation (docs/training-profile.md#loss;
+unshifted: `labels[t]` is `input_ids[t]` on assistant tokens, -100 elsewhere), so position `t`
+predicts `labels[t + 1]`.
 
 - `kt_tape_flce` (every resident backend): gathers the final hidden states of the positions whose
   next token is supervised (`A` rows), then runs a chunked linear cross-entropy over the vocabulary
@@ -14,7 +15,7 @@ is `input_ids[t]` on assistant tokens, -100 elsewhere), so position `t` predicts
 - `full_logits` (the portable reference): dense `hidden @ W^T` logits and `F.cross_entropy` with
   `ignore_index=-100` after the causal shift. Only constructed explicitly (tests, qualification).
 
-The head is a frozen constant on both routes (seed 000 "Frozen parameter ownership"): it is
+The head is a frozen constant on both routes (docs/training-profile.md#frozen-base): it is
 detached before use, so no weight gradient is computed or stored, and a head passed with
 `requires_grad=True` still ends with `.grad is None`.
 

@@ -3,7 +3,7 @@ how an exception inside the run becomes a receipt failure reason."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,6 +43,13 @@ class TrainResult:
     wall_clock_ms: int = 0
     loss_history: list[float] = field(default_factory=list)
     validation_history: list[dict] = field(default_factory=list)  # every evaluation, resumed ones too
+
+    def to_dict(self) -> dict:
+        """The result as JSON values (paths as strings), e.g. for `kiln train local --json`."""
+        out = asdict(self)
+        for key in ("adapter_path", "receipt_path"):
+            out[key] = None if out[key] is None else str(out[key])
+        return out
 
 
 def classify_exception(exc: BaseException) -> tuple[str, str]:

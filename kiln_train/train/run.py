@@ -1,5 +1,5 @@
 """One SFT run in progress: the LoRA set and optimizer it trains, its loop over the epochs, and
-the exact checkpoints it publishes (`native_online_lora_v1`, seed 000 "Update contract").
+the exact checkpoints it publishes (`native_online_lora_v1`, docs/training-profile.md#update-rule).
 
 One admitted conversation is one microbatch is one optimizer step; `epochs × rows_kept` steps;
 each epoch visits every row once in the seed-derived order `kiln-py.epoch-order.v1`; the

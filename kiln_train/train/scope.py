@@ -8,7 +8,7 @@ from contextvars import ContextVar
 
 import torch
 
-# The training scope (seed 000 "Tape authority"): set only inside forward/backward of a step.
+# The training scope (docs/training-profile.md#training-scope): set only inside forward/backward of a step.
 TRAINING_SCOPE: ContextVar[bool] = ContextVar("kiln_training_scope", default=False)
 
 

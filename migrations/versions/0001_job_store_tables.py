@@ -1,5 +1,5 @@
 """Job store tables: training_jobs, prepared_sft_admissions, job_events, training_steps,
-checkpoints, adapters, runners (DESIGN.md §1, §5).
+checkpoints, adapters, runners (docs/ARCHITECTURE.md#job-store).
 
 Revision ID: 0001
 Revises:

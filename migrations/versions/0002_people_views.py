@@ -1,4 +1,4 @@
-"""Views for people asking SQL questions of job history (DESIGN.md §5; deploy/queries.sql).
+"""Views for people asking SQL questions of job history (docs/ARCHITECTURE.md#job-store; deploy/queries.sql).
 
 Revision ID: 0002
 Revises: 0001

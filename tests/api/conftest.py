@@ -23,7 +23,7 @@ from sqlalchemy import func, select
 from api import create_app
 from kiln.settings import Settings
 from kiln.store import Base, make_engine, register_runner, session_factory
-from tests.kiln.store.test_store_support import BACKENDS, clear_tables, migrated_database
+from tests.kiln.store.store_support import BACKENDS, clear_tables, migrated_database
 from tests.services import redis_url
 
 REDIS_URL = redis_url(11)

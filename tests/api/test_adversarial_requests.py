@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (the resume test's `checkpoint` fixture is imported and used as a parameter)
 """Adversarial submissions and route arguments (DESIGN.md §7, kiln-contract §1.6): each gets the
 contract's code in the envelope with the right status, names what is wrong, and leaves no row, no
 queue message and no file -- on SQLite and Postgres alike (no 500 from what one database refuses)."""
@@ -11,8 +10,11 @@ import pytest
 from sqlalchemy.exc import OperationalError
 
 from kiln.store import Job
+from tests.api import resume_support
 from tests.api.conftest import example, sft_body, snapshot, storage_listing, unique_name, write_base_adapter
-from tests.api.test_training_resume import ADAPTER, STEP, _body, checkpoint  # noqa: F401  (fixture)
+from tests.api.resume_support import ADAPTER, STEP, resume_body
+
+checkpoint = resume_support.checkpoint  # fixture
 
 CONFIG = {"epochs": 1, "lora_rank": 4, "lora_alpha": 8.0}
 ROW = example(0)
@@ -284,8 +286,8 @@ def test_publish_mark_failing_still_answers_the_admitted_job(client, sessions, b
 def test_new_job_named_like_an_earlier_runs_checkpoints_is_409(
     client, engine, broker, storage, settings, runner
 ):
-    """A failed or cancelled run leaves its exact checkpoints; a new job under that name used to be
-    admitted and then failed when it reached a step whose checkpoint name was taken."""
+    """A failed or cancelled run leaves its exact checkpoints; a new job under that name is refused
+    at admission rather than failing when it reaches a step whose checkpoint name is taken."""
     (settings.adapters_dir / "left-checkpoint-step-00000002.kiln-checkpoint").mkdir()
     before = snapshot(engine, broker, storage)
     response = client.post("/v1/train/sft", json=sft_body(3, output_name="left", checkpoint_interval=2))
@@ -304,14 +306,14 @@ def test_resume_with_a_later_checkpoint_in_the_registry_is_409(
     later = settings.adapters_dir / f"{ADAPTER}-checkpoint-step-{STEP + 2:08d}.kiln-checkpoint"
     later.mkdir()
     before = snapshot(engine, broker, storage)
-    response = client.post("/v1/train/sft", json=_body(resume_checkpoint=checkpoint["path"].name))
+    response = client.post("/v1/train/sft", json=resume_body(resume_checkpoint=checkpoint["path"].name))
     assert response.status_code == 409, response.get_json()
     error = response.get_json()["error"]
     assert error["code"] == "adapter_already_exists"
     assert f"after the resume point (step {STEP})" in error["message"]
     assert snapshot(engine, broker, storage) == before
     later.rmdir()
-    response = client.post("/v1/train/sft", json=_body(resume_checkpoint=checkpoint["path"].name))
+    response = client.post("/v1/train/sft", json=resume_body(resume_checkpoint=checkpoint["path"].name))
     assert response.status_code == 200, response.get_json()
 
 
@@ -326,7 +328,7 @@ def test_resume_with_a_later_checkpoint_in_the_registry_is_409(
     ],
 )
 def test_unreachable_job_database_is_503_with_retry_after(method, path, tmp_path, broker):
-    """A database that refuses connections was a 500 internal_error on every route but /health."""
+    """A database that refuses connections is a 503 with Retry-After on every route, never a 500."""
     from api import create_app
     from tests.api.conftest import make_settings
 
@@ -350,10 +352,10 @@ def test_unreachable_job_database_is_503_with_retry_after(method, path, tmp_path
 def test_deleting_an_adapter_a_queued_job_warm_starts_from_is_409(
     client, sessions, settings, runner, runner_kwargs
 ):
-    """The delete used to succeed; the queued job then failed at dequeue with base_adapter_missing."""
-    from tests.api.test_adapters import _publish
+    """Refused while queued, so the job cannot fail at dequeue with base_adapter_missing."""
+    from tests.api.registry_support import publish_adapter
 
-    _publish(sessions, settings, "base", checkpoints=(), big=10)
+    publish_adapter(sessions, settings, "base", checkpoints=(), big=10)
     write_base_adapter(settings.adapters_dir / "base", runner_kwargs["model_config"])
     job_id = client.post("/v1/train/sft", json=sft_body(1, base_adapter="base")).get_json()["job_id"]
     response = client.delete("/v1/adapters/base")

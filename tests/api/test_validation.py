@@ -22,7 +22,7 @@ from kiln_train.checkpoint import epoch_order, publish_checkpoint, sft_manifest_
 from kiln_train.plan.backend import backend_for_device
 from kiln_train.sft_config import SftConfig
 from tests.api.conftest import RUNNER_ID, example, snapshot
-from tests.kiln_train.checkpoint.test_checkpoint_support import artifacts, auxiliary_state
+from tests.kiln_train.checkpoint.checkpoint_support import artifacts, auxiliary_state
 
 NO_TARGET = {"messages": [{"role": "user", "content": "only a question"}]}
 WORKER = "worker-test"

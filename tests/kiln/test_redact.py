@@ -1,6 +1,6 @@
 """Connection URLs are shown without their secrets: `kiln.redact.redact_url` (both forms: the
 userinfo password and secret query parameters), and `kiln config show` (table and --json), which
-used to print `user:password@` and `?password=` in clear."""
+never prints `user:password@` or `?password=` in clear."""
 
 from __future__ import annotations
 

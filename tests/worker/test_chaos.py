@@ -27,7 +27,7 @@ from sqlalchemy import create_engine, select
 from kiln.store.models import Adapter, Checkpoint
 from kiln_train.artifacts.adapter_layout import FAILED_RECEIPTS_DIR
 from tests.api.conftest import sft_body, unique_name
-from tests.kiln.store.test_store_support import fresh_postgres_database
+from tests.kiln.store.store_support import fresh_postgres_database
 from tests.services import redis_url
 from tests.worker.stack import Stack
 from worker.reconciler import _HIDDEN_WORK

@@ -1,10 +1,10 @@
 """Hosts whose clocks disagree share one job store (PostgreSQL) safely.
 
 The api, the worker and another worker's reconciler may run on different hosts. Leases,
-heartbeats and queue times used to be stamped with each process's clock and compared with
-another's: a worker whose clock ran behind had its live job taken by a reconciler (the job ran
-twice); one whose clock ran ahead kept a dead worker's lease alive for as long as the skew.
-Every row is now stamped and compared on the database server's clock (`store_now`).
+heartbeats and queue times are stamped and compared on the database server's clock
+(`store_now`), never on a process's own: a worker whose clock runs behind keeps its live job (no
+reconciler takes it, so it never runs twice), and a dead worker whose clock ran ahead loses its
+lease on time rather than as late as the skew.
 
 SQLite is embedded (one host, one clock), so these run on PostgreSQL only.
 """
@@ -20,8 +20,8 @@ from sqlalchemy import func, select
 from kiln import store
 from kiln.store import models, states
 from tests.api.conftest import sft_body, unique_name
-from tests.kiln.store.test_store_support import migrated_database
-from tests.worker.test_runtime import job_row, submit
+from tests.kiln.store.store_support import migrated_database
+from tests.worker.runtime_support import job_row, submit
 
 pytestmark = pytest.mark.postgres
 

@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from tests.api.conftest import sft_body, unique_name
-from tests.kiln.store.test_store_support import fresh_postgres_database
+from tests.kiln.store.store_support import fresh_postgres_database
 from tests.worker.stack import KILN, REDIS_E2E, Stack
 
 pytestmark = pytest.mark.slow

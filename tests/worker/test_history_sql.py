@@ -8,7 +8,7 @@ from sqlalchemy import text
 
 from kiln import store
 from tests.api.conftest import sft_body, unique_name
-from tests.kiln.store.test_queries import QUERIES
+from tests.deploy.queries_sql import QUERIES
 
 
 def submit(client, body) -> str:

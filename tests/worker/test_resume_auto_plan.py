@@ -4,8 +4,8 @@ Admission pins `{max_segments, auto, budget_bytes}`; with `auto` every row gets 
 segments whose bound fits the budget admission saw, and the checkpoint binds the digest of that
 per-row list. A resume is a new admission on another day with another free-memory reading, so it
 must re-derive the rows from the checkpoint's recorded plan (`auxiliary_state.
-gradient_checkpoint_plan`), not plan afresh: before the fix admission pinned `auto: false` for a
-resume and every such job failed at dequeue on `gradient_checkpoint_plan_sha256`.
+gradient_checkpoint_plan`), not plan afresh, and its admission pins that plan, so the job passes
+the dequeue check of `gradient_checkpoint_plan_sha256`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from kiln import store
 from kiln.store.models import Admission, Runner
 from kiln_train.checkpoint import load_checkpoint
 from tests.api.conftest import sft_body, unique_name
-from tests.worker.test_runtime import job_row, submit
+from tests.worker.runtime_support import job_row, submit
 
 CONFIG = {"epochs": 2, "checkpoint_interval": 2, "seed": 23}  # no grad_checkpoint_segments: auto
 

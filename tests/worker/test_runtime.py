@@ -1,11 +1,15 @@
 """The resident worker runtime against the real store (SQLite and Postgres) and a real broker.
 
 Jobs are admitted through the api; `run_job` is what the Celery task calls for a doorbell.
+A warm-shutdown release waits for a heartbeat that already read the run, so the lease it
+expires is never renewed.
 """
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -16,28 +20,8 @@ from kiln import store
 from kiln.store import states
 from kiln.store.models import Admission, Job
 from tests.api.conftest import sft_body, unique_name
-
-
-def submit(client, body) -> str:
-    response = client.post("/v1/train/sft", json=body)
-    assert response.status_code == 200, response.get_json()
-    return response.get_json()["job_id"]
-
-
-def job_row(sessions, job_id):
-    with sessions() as s:
-        return store.get_job(s, job_id, include_deleted=True)
-
-
-def event_kinds(sessions, job_id) -> list[str]:
-    with sessions() as s:
-        events, _ = store.list_events(s, job_id, limit=1000)
-        return [e.kind for e in events]
-
-
-def steps(sessions, job_id) -> list[int]:
-    with sessions() as s:
-        return [row.global_step for row in store.loss_history(s, job_id)]
+from tests.worker.runtime_support import event_kinds, job_row, steps, submit
+from worker.runtime import CurrentRun
 
 
 def test_job_runs_to_completion_and_records_everything(client, runtime, sessions, settings):
@@ -288,3 +272,53 @@ def test_an_adapter_name_taken_after_admission_fails_the_job_cleanly(client, run
     job = job_row(sessions, job_id)
     assert job.state == states.FAILED and job.failure_reason == "training_error"
     assert "already exists" in job.error_message and steps(sessions, job_id) == []
+
+
+# ----- a release and a heartbeat that already read the run ----------------------------------------
+
+
+class _PausingFactory:
+    """The runtime's session factory, pausing `begin()` on the thread named `pause_thread`."""
+
+    def __init__(self, inner, pause_thread: str):
+        self.inner, self.pause_thread = inner, pause_thread
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def begin(self):
+        if threading.current_thread().name == self.pause_thread:
+            self.entered.set()
+            assert self.go.wait(30)
+        return self.inner.begin()
+
+    def __call__(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+
+def test_a_release_waits_for_the_heartbeat_that_already_read_the_run(client, runtime, sessions):
+    job_id = submit(client, sft_body(2, output_name=unique_name("hb-race")))
+    pinned = runtime._claim(job_id)
+    assert pinned is not None
+    runtime.run = CurrentRun(job_id, 1, pinned.attempt)
+    factory = runtime.factory
+    pausing = runtime.factory = _PausingFactory(factory, "hb")
+    outcome: list[str] = []
+    heartbeat = threading.Thread(target=runtime.heartbeat, name="hb")
+    release = threading.Thread(target=lambda: outcome.append(runtime._release_for_resume(job_id)), name="rel")
+    try:
+        heartbeat.start()
+        assert pausing.entered.wait(30)  # the heartbeat holds the run it read, not yet renewed
+        release.start()
+        time.sleep(0.5)
+        assert release.is_alive(), "the release went ahead of a heartbeat that had read the run"
+        pausing.go.set()
+        heartbeat.join(30)
+        release.join(30)
+    finally:
+        pausing.go.set()
+        runtime.factory = factory
+    assert outcome == ["requeued"] and runtime.run is None
+    job = job_row(sessions, job_id)
+    # Let go: requeued (from step 0: no checkpoint here), never running on a renewed lease.
+    renewed = job.lease_expires_at is not None and job.lease_expires_at > store.utcnow()
+    assert not (job.state == "running" and renewed), (job.state, job.lease_expires_at)
+    assert job.state == "queued" and job.global_step == 0

@@ -13,7 +13,7 @@ import errno
 import kiln_train.checkpoint as ckpt
 from tests.api.conftest import sft_body, unique_name
 from tests.kiln_train.train import trainer_fixtures as fx
-from tests.worker.test_runtime import event_kinds, job_row, submit
+from tests.worker.runtime_support import event_kinds, job_row, submit
 
 
 def _enospc(*_args, **_kwargs):

@@ -14,7 +14,7 @@ from kiln.store import states
 from kiln.store.models import Admission
 from kiln_train import checkpoint as ckpt
 from tests.api.conftest import example, unique_name
-from tests.worker.test_runtime import event_kinds, job_row, steps, submit
+from tests.worker.runtime_support import event_kinds, job_row, steps, submit
 
 
 def body(name: str, validation: dict, n: int = 3, **config) -> dict:

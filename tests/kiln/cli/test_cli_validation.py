@@ -1,6 +1,6 @@
 """`kiln train sft --validation-data FILE | --holdout-percent P [--validation-interval N]` and
 the validation lines of the progress, the dry run and `kiln jobs show` (docs/validation.md),
-against the real api of tests/kiln/cli/test_cli_client.py."""
+against a real api in a thread (tests/kiln/cli/conftest.py)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import re
 from kiln.cli import client_view
 from kiln.cli.client_view import ProgressLine
 from kiln.store import claim_job, record_evaluation
-from tests.api.conftest import example, runner_kwargs, tiny_model_dir  # noqa: F401
-from tests.kiln.cli.test_cli_client import kiln, name, server, write_jsonl  # noqa: F401
+from tests.api.conftest import example
+from tests.kiln.cli.api_server import name, write_jsonl
 
 NO_TARGET = {"messages": [{"role": "user", "content": "only a question"}]}
 BASE = ("--rank", "4", "--alpha", "8", "--epochs", "2")
 
 
-def test_the_validation_flags_become_the_requests_validation(kiln, server, tmp_path):  # noqa: F811
+def test_the_validation_flags_become_the_requests_validation(kiln, server, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", [example(i) for i in range(4)])
     held = write_jsonl(tmp_path / "held.jsonl", [example(20), example(21)], blank_lines=True)
     cases = [
@@ -43,7 +43,7 @@ def test_the_validation_flags_become_the_requests_validation(kiln, server, tmp_p
         assert json.loads(out)["rows_kept"] == rows
 
 
-def test_with_dataset_path_the_validation_file_is_named_on_the_server(kiln, server, tmp_path):  # noqa: F811
+def test_with_dataset_path_the_validation_file_is_named_on_the_server(kiln, server, tmp_path):
     for file, rows in (("train.jsonl", range(3)), ("held.jsonl", (30, 31))):
         write_jsonl(server.settings.datasets_dir / file, [example(i) for i in rows])
     before = len(server.recorder.posts())
@@ -57,7 +57,7 @@ def test_with_dataset_path_the_validation_file_is_named_on_the_server(kiln, serv
     assert sent.json()["validation"] == {"dataset_path": "held.jsonl"}
 
 
-def test_conflicting_or_orphan_validation_flags_fail_locally(kiln, server, tmp_path):  # noqa: F811
+def test_conflicting_or_orphan_validation_flags_fail_locally(kiln, server, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", [example(1)])
     held = write_jsonl(tmp_path / "held.jsonl", [example(2)])
     before = len(server.recorder.posts())
@@ -77,7 +77,7 @@ def test_conflicting_or_orphan_validation_flags_fail_locally(kiln, server, tmp_p
     assert len(server.recorder.posts()) == before
 
 
-def test_a_refused_validation_row_is_mapped_to_its_file_line(kiln, server, tmp_path):  # noqa: F811
+def test_a_refused_validation_row_is_mapped_to_its_file_line(kiln, server, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", [example(1), example(2)])
     held = write_jsonl(tmp_path / "held.jsonl", [example(3), NO_TARGET], blank_lines=True)  # row 2 is line 3
     code, _out, err = kiln("train", "sft", "--data", str(data), "--validation-data", str(held), "--no-wait")
@@ -89,7 +89,7 @@ def test_a_refused_validation_row_is_mapped_to_its_file_line(kiln, server, tmp_p
     assert code == 1 and "validation.holdout_percent" in err
 
 
-def test_the_dry_run_lists_the_validation_rows(kiln, server, tmp_path):  # noqa: F811
+def test_the_dry_run_lists_the_validation_rows(kiln, server, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", [example(i) for i in range(3)])
     held = write_jsonl(tmp_path / "held.jsonl", [example(20), NO_TARGET])
     code, out, err = kiln(
@@ -139,7 +139,7 @@ def test_the_progress_prints_each_evaluation_once(capsys, monkeypatch):
     assert "val" not in capsys.readouterr().err
 
 
-def test_jobs_show_prints_the_validation_curve(kiln, server, tmp_path):  # noqa: F811
+def test_jobs_show_prints_the_validation_curve(kiln, server, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", [example(i) for i in range(4)])
     code, out, err = kiln(
         "train", "sft", "--data", str(data), "--holdout-percent", "25", *BASE, "--output-name", name(),

@@ -25,7 +25,7 @@ from kiln.store import (
     validation_history,
 )
 from kiln.store.jobs import delete_job, finish_job
-from tests.kiln.store.test_store_support import admit, run_steps
+from tests.kiln.store.store_support import admit, run_steps
 
 
 def _evaluate(session, job, worker, step: int, loss: float, attempt: int | None = None):

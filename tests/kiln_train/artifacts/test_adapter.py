@@ -1,4 +1,5 @@
-"""PEFT adapters: interop with transformers + PEFT both ways, and base-adapter warm starts.
+"""PEFT adapters: interop with transformers + PEFT both ways, base-adapter warm starts, and a
+publication that never replaces a name taken at the last moment.
 
 kiln-contract §6 (adapter directory, config, tensor names), seed 000 "Artifacts and resume"
 (a PEFT adapter may be a new run's `base_adapter`, subject to shape and provenance checks; that
@@ -9,13 +10,17 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from kiln_train.artifacts import adapter as adapter_module
+from kiln_train.artifacts.adapter import publish_adapter
 from kiln_train.artifacts.digest import file_digest
+from kiln_train.errors import KilnError
 from kiln_train.model import attach_lora, load_model
 from kiln_train.model.config import LORA_TARGET_MODULES
 from kiln_train.train import optimizer as optimizer_mod
@@ -349,3 +354,50 @@ def test_the_static_check_needs_no_torch_and_reads_only_the_header(registry, res
         check_base_adapter_files(path, resident.config, RANK, ALPHA)
     assert err.value.reason == "adapter_load_failed"
     assert "header length 1000000000 does not fit" in str(err.value)
+
+
+# ----- publication under a name taken at the last moment ------------------------------------------
+
+
+def _publish(registry, name):
+    tensors = {"base_model.model.model.layers.0.mlp.up_proj.lora_A.weight": torch.zeros(2, 3)}
+    return publish_adapter(
+        registry,
+        name,
+        tensors,
+        rank=2,
+        alpha=4.0,
+        build_receipt=lambda output: {"status": "success", "output": output},
+        build_manifest=lambda receipt, hashes: {"adapter_name": name, **hashes},
+    )
+
+
+def test_an_empty_directory_taking_the_name_at_the_last_moment_is_not_replaced(tmp_path, monkeypatch):
+    registry = tmp_path / "adapters"
+    registry.mkdir()
+    name = "raced"
+    target = registry / name
+    real_fsync_dir = adapter_module.fsync_dir
+
+    def synced_then_taken(path):
+        real_fsync_dir(path)
+        if Path(path).name.startswith(f".{name}.incomplete-"):  # the staging is complete: another
+            target.mkdir()  # publisher (an import, a restore) takes the name right before the rename
+
+    monkeypatch.setattr(adapter_module, "fsync_dir", synced_then_taken)
+    with pytest.raises(KilnError) as refused:
+        _publish(registry, name)
+    monkeypatch.undo()
+    assert refused.value.code == "adapter_already_exists"
+    assert target.is_dir() and list(target.iterdir()) == []  # theirs, untouched
+    assert sorted(p.name for p in registry.iterdir()) == [name]  # no staging directory left behind
+
+
+def test_publication_still_works(tmp_path):
+    path = _publish(tmp_path / "adapters", "fine")
+    assert sorted(p.name for p in path.iterdir()) == [
+        "adapter_config.json",
+        "adapter_manifest.json",
+        "adapter_model.safetensors",
+        "train_receipt.json",
+    ]

@@ -17,7 +17,7 @@ from kiln_train.data.chat_template import training_chat_template_sha256
 from kiln_train.data.ingestion import iter_example_outcomes
 from kiln_train.data.labels import IGNORE_INDEX, MASK_CONTRACT
 from kiln_train.data.tokenizer import vocabulary_file
-from tests.kiln_train.data.oracle_support import labels_from, load_fixture, oracle_module
+from tests.kiln_train.data.reference_fixtures import labels_from, load_fixture, oracle_module
 
 FIXTURE_NAME = "qwen35_sft_conversations_v1.json"
 

@@ -1,135 +1,34 @@
-"""SFT ingestion, row identity and the ingestion receipt (kiln-contract §3)."""
+"""SFT ingestion: tokens and labels, rejection reasons, policies, JSONL parsing and dataset_path
+containment (docs/ingestion.md)."""
 
 from __future__ import annotations
 
-import copy
-import hashlib
 import json
 import os
-import struct
 
 import pytest
 
 from kiln_train.data.conversation import parse_example
 from kiln_train.data.ingestion import (
-    build_ingestion_receipt,
     ingest_examples,
     ingest_jsonl,
     iter_jsonl_outcomes,
-    kept_corpus_sha256,
     parsed_row_sha256,
     raw_row_sha256,
     resolve_dataset_path,
-    validate_ingestion_receipt,
 )
 from kiln_train.data.labels import IGNORE_INDEX
-from kiln_train.errors import TRAINING_INVALID_REQUEST, KilnError
-
-PLAIN = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
-TOOL_ROW = {
-    "id": 7,  # unknown example-level keys are ignored
-    "messages": [
-        {"role": "user", "content": "Météo à Paris ?"},
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"city": "Paris"}'}}
-            ],
-        },
-        {"role": "tool", "tool_call_id": "c1", "name": "w", "content": "21°C"},
-        {"role": "assistant", "content": "21°C.", "reasoning_content": "ok"},
-    ],
-}
-# Hand-written canonical forms (sorted keys, no spaces, raw UTF-8; arguments stay the original string).
-PLAIN_CANONICAL = '{"messages":[{"content":"Hi","role":"user"},{"content":"Hello","role":"assistant"}]}'
-TOOL_CANONICAL = (
-    '{"messages":[{"content":"Météo à Paris ?","role":"user"},{"content":"","role":"assistant","tool_calls":'
-    '[{"function":{"arguments":"{\\"city\\": \\"Paris\\"}","name":"w"},"id":"c1","type":"function"}]},'
-    '{"content":"21°C","name":"w","role":"tool","tool_call_id":"c1"},'
-    '{"content":"21°C.","reasoning_content":"ok","role":"assistant"}]}'
+from kiln_train.errors import KilnError
+from tests.kiln_train.data.ingestion_support import (
+    CORPUS_SHA,
+    PLAIN,
+    PLAIN_SHA,
+    TOOL_ROW,
+    TOOL_SHA,
+    independent_digest,
+    reject_message,
+    write_jsonl,
 )
-# Golden digests (literal; the test below also recomputes them independently).
-PLAIN_SHA = "sha256:e92c80e0bb106519492e476727768e86ed060e621afdf3b2526ccbd3149f2266"
-TOOL_SHA = "sha256:52fc39135a2aae30e58600e8c83223320b13905b160a786c5ad3e67a807d250f"
-RAW_SHA = "sha256:203c496303db2e4523301d8ce07b9525721c1a35ea40cd8873ead384bebcacb7"  # b'{"messages": ['
-CORPUS_SHA = "sha256:967a601d75f178d0454c770e2b1b70183b0b063c59e0318b653e2f2c67a2603d"  # [PLAIN, TOOL]
-
-
-def _independent_digest(domain: bytes, payload: bytes) -> str:
-    return "sha256:" + hashlib.sha256(domain + b"\x00" + payload).hexdigest()
-
-
-def _independent_corpus(hashes: list[str]) -> str:
-    body = b"".join(struct.pack(">Q", len(h)) + h.encode("ascii") for h in hashes)
-    return _independent_digest(b"kiln.sft-kept-corpus.v1", body)
-
-
-def write_jsonl(path, lines: list[str]) -> None:
-    path.write_bytes("".join(line + "\n" for line in lines).encode("utf-8"))
-
-
-def reject_message(exc: KilnError) -> str:
-    assert exc.code == TRAINING_INVALID_REQUEST
-    return exc.message
-
-
-# --------------------------------------------------------------------------- row identity
-
-
-def test_golden_hashes_literal_and_independent():
-    assert _independent_digest(b"kiln.sft-parsed-row.v1", PLAIN_CANONICAL.encode()) == PLAIN_SHA
-    assert _independent_digest(b"kiln.sft-parsed-row.v1", TOOL_CANONICAL.encode()) == TOOL_SHA
-    assert _independent_digest(b"kiln.sft-raw-row.v1", b'{"messages": [') == RAW_SHA
-    assert _independent_corpus([PLAIN_SHA, TOOL_SHA]) == CORPUS_SHA
-
-    assert parsed_row_sha256(parse_example(PLAIN)) == PLAIN_SHA
-    assert parsed_row_sha256(parse_example(TOOL_ROW)) == TOOL_SHA
-    assert raw_row_sha256(b'{"messages": [') == RAW_SHA
-    assert kept_corpus_sha256([PLAIN_SHA, TOOL_SHA]) == CORPUS_SHA
-    assert kept_corpus_sha256([TOOL_SHA, PLAIN_SHA]) != CORPUS_SHA  # order is identity
-
-
-def test_ingestion_uses_golden_hashes(qwen_tokenizer):
-    result = ingest_examples([PLAIN, TOOL_ROW], tokenizer=qwen_tokenizer)
-    assert result.receipt == {
-        "schema": "kiln.sft-ingestion.v1",
-        "source": "inline",
-        "invalid_row_policy": "fail",
-        "rows_read": 2,
-        "rows_kept": 2,
-        "rows_rejected": 0,
-        "kept_row_hashes": [PLAIN_SHA, TOOL_SHA],
-        "rejected_rows": [],
-        "kept_corpus_sha256": CORPUS_SHA,
-    }
-    assert [r.row_sha256 for r in result.rows] == [PLAIN_SHA, TOOL_SHA]
-
-
-def test_hash_ignores_key_order_whitespace_and_unknown_keys_but_not_arguments_text():
-    reordered = json.loads(json.dumps(TOOL_ROW, indent=3, sort_keys=True))
-    reordered["extra"] = {"anything": 1}
-    reordered["messages"][0]["weight"] = 0.5  # unknown message key: ignored
-    assert parsed_row_sha256(parse_example(reordered)) == TOOL_SHA
-    # null content, missing content and "" are one normalised value
-    missing = copy.deepcopy(TOOL_ROW)
-    del missing["messages"][1]["content"]
-    assert parsed_row_sha256(parse_example(missing)) == TOOL_SHA
-    # the arguments JSON string is hashed as written
-    spaced = copy.deepcopy(TOOL_ROW)
-    spaced["messages"][1]["tool_calls"][0]["function"]["arguments"] = '{"city":"Paris"}'
-    assert parsed_row_sha256(parse_example(spaced)) != TOOL_SHA
-    # reasoning aliases normalise to reasoning_content
-    alias = copy.deepcopy(TOOL_ROW)
-    alias["messages"][3]["thinking"] = alias["messages"][3].pop("reasoning_content")
-    assert parsed_row_sha256(parse_example(alias)) == TOOL_SHA
-
-
-def test_duplicates_are_kept_as_separate_rows(qwen_tokenizer):
-    result = ingest_examples([PLAIN, PLAIN, TOOL_ROW], tokenizer=qwen_tokenizer)
-    assert result.receipt["kept_row_hashes"] == [PLAIN_SHA, PLAIN_SHA, TOOL_SHA]
-    assert [r.row_index for r in result.rows] == [1, 2, 3]
-
 
 # --------------------------------------------------------------------------- tokens and labels
 
@@ -345,7 +244,7 @@ def test_inline_schema_errors_are_transport_errors_under_any_policy(qwen_tokeniz
     # but empty messages and bad roles are ordinary, skippable rows
     result = ingest_examples([{"messages": []}, PLAIN], tokenizer=qwen_tokenizer, policy="skip")
     assert result.receipt["rejected_rows"][0]["reason"] == "empty_messages"
-    assert result.receipt["rejected_rows"][0]["row_sha256"] == _independent_digest(
+    assert result.receipt["rejected_rows"][0]["row_sha256"] == independent_digest(
         b"kiln.sft-parsed-row.v1", b'{"messages":[]}'
     )
 
@@ -397,76 +296,6 @@ def test_dataset_path_escapes_are_refused(datasets, path, why):
     with pytest.raises(KilnError) as err:
         resolve_dataset_path(path, datasets)
     assert why in reject_message(err.value)
-
-
-# --------------------------------------------------------------------------- receipt validator
-
-
-def _receipt():
-    return build_ingestion_receipt(
-        "dataset_path",
-        "d.jsonl",
-        "skip",
-        3,
-        [PLAIN_SHA, TOOL_SHA],
-        [{"row_index": 2, "row_sha256": RAW_SHA, "reason": "invalid_json"}],
-    )
-
-
-@pytest.mark.parametrize(
-    ("mutate", "why"),
-    [
-        (lambda r: r.update(extra=1), "unknown field"),
-        (lambda r: r.pop("rows_read"), "missing field"),
-        (lambda r: r.update(schema="kiln.sft-ingestion.v2"), "schema"),
-        (lambda r: r.update(source="ftp"), "source"),
-        (lambda r: r.update(source_locator="  "), "source_locator"),
-        (lambda r: r.update(invalid_row_policy="drop"), "invalid_row_policy"),
-        (lambda r: r.update(rows_read=4), "rows_read != rows_kept + rows_rejected"),
-        (lambda r: r.update(rows_read=True), "non-negative integer"),
-        (
-            lambda r: r.update(rows_read=1, rows_kept=0, rows_rejected=1, kept_row_hashes=[]),
-            "rows_kept must be > 0",
-        ),
-        (lambda r: r["kept_row_hashes"].append(PLAIN_SHA), "kept_row_hashes length"),
-        (lambda r: r["kept_row_hashes"].__setitem__(0, "sha256:ABC"), "is not sha256"),
-        (lambda r: r["kept_row_hashes"].__setitem__(0, PLAIN_SHA + "\n"), "is not sha256"),
-        (lambda r: r["rejected_rows"][0].update(row_index=0), "1-based"),
-        (lambda r: r["rejected_rows"][0].update(row_index=9), "exceeds rows_read"),
-        (lambda r: r["rejected_rows"][0].update(reason="too_long"), "rejection reason"),
-        (lambda r: r["rejected_rows"][0].update(detail="x"), "exactly the fields"),
-        (lambda r: r["rejected_rows"][0].update(row_sha256="sha256:0"), "row_sha256"),
-        (lambda r: r.update(kept_corpus_sha256=PLAIN_SHA), "does not recompute"),
-        (lambda r: r.update(kept_row_hashes=[TOOL_SHA, PLAIN_SHA]), "does not recompute"),
-        (lambda r: r.update(invalid_row_policy="fail"), "fail-policy"),
-    ],
-)
-def test_receipt_validator_rejects(mutate, why):
-    receipt = _receipt()
-    validate_ingestion_receipt(copy.deepcopy(receipt))
-    mutate(receipt)
-    with pytest.raises(KilnError) as err:
-        validate_ingestion_receipt(receipt)
-    assert why in reject_message(err.value)
-
-
-def test_receipt_validator_requires_increasing_row_indexes():
-    receipt = build_ingestion_receipt(
-        "inline",
-        None,
-        "skip",
-        4,
-        [PLAIN_SHA, TOOL_SHA],
-        [
-            {"row_index": 1, "row_sha256": RAW_SHA, "reason": "invalid_json"},
-            {"row_index": 3, "row_sha256": RAW_SHA, "reason": "invalid_json"},
-        ],
-    )
-    assert "source_locator" not in receipt
-    receipt["rejected_rows"].reverse()
-    with pytest.raises(KilnError) as err:
-        validate_ingestion_receipt(receipt)
-    assert "strictly increasing" in reject_message(err.value)
 
 
 def test_inline_body_is_validated_before_any_row_is_judged(qwen_tokenizer):

@@ -171,3 +171,24 @@ def test_cli_init_tiny(tmp_path, monkeypatch, qwen_tokenizer):
     bad = CliRunner().invoke(cli, ["model", "init-tiny", str(tmp_path / "n"), "--preset", "huge"])
     assert bad.exit_code == 2 and not (tmp_path / "n").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["direct", "m"]  # no staging leftovers
+
+
+def test_tiny_overrides_for_interval_and_storage_dtype(tmp_path):
+    path = write_tiny_checkpoint(
+        tmp_path,
+        "tiny",
+        seed=0,
+        overrides={
+            "num_hidden_layers": 4,
+            "full_attention_interval": 2,
+            "dtype": "float32",
+            "vocab_size": 64,
+        },
+        with_tokenizer=False,
+    )
+    text = json.loads((path / "config.json").read_text())["text_config"]
+    assert text["layer_types"] == ["linear_attention", "full_attention"] * 2
+    assert text["full_attention_interval"] == 2
+    tensors = load_file(str(path / "model.safetensors"))
+    assert {t.dtype for t in tensors.values()} == {torch.float32}
+    assert load_model(path).config.layer_types == tuple(text["layer_types"])

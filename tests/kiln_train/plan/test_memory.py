@@ -1,68 +1,26 @@
-"""Memory admission: component values, saturation, segment planning, the budget and the 413."""
+"""The memory estimate: component values on real Qwen3.5 sizes, growth with every input, saturation
+instead of overflow (docs/memory.md#components)."""
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 
 import pytest
 
 from api.errors import http_status
-from kiln_train.errors import KilnError
-from kiln_train.model.config import QWEN35_4B_TEXT_CONFIG, parse_config
-from kiln_train.model.tiny import PRESETS
-from kiln_train.plan.backend import FULL_LOGITS, KT_TAPE_FLCE, backend_for_device
-from kiln_train.plan.budget import available_budget, cpu_available_bytes
+from kiln_train.errors import TRAINING_WILL_NOT_FIT, KilnError
+from kiln_train.model.config import parse_config
+from kiln_train.plan.backend import FULL_LOGITS
 from kiln_train.plan.formulas import (
     attention_layer_bytes,
     gdn_layer_bytes,
     segment_layer_ranges,
     vocab_chunk_size,
 )
-from kiln_train.plan.memory import GIB, U64_MAX, estimate, saturate
-from kiln_train.plan.refusal import dominant_component, will_not_fit_message
-from kiln_train.plan.segments import check_row_plan_fits, max_rank_that_fits, plan_segments, row_segments
-
-# The `small` preset of kiln_train.model.tiny: 8 narrow layers under the full vocabulary.
-SMALL = parse_config({**PRESETS["small"], "dtype": "bfloat16"})
-
-CUDA = backend_for_device("cuda")
-CPU = backend_for_device("cpu")
-
-# Qwen3.5-4B text config (qwen35.md §1.1).
-QWEN35_4B = parse_config(QWEN35_4B_TEXT_CONFIG)
-
-
-def est(config=QWEN35_4B, **kw):
-    args = {
-        "max_seq_len": 4096,
-        "max_supervised_tokens": 2048,
-        "lora_rank": 16,
-        "optimizer_kind": "adam_w",
-        "num_segments": 8,
-        "loss_route": KT_TAPE_FLCE,
-        "backend": CUDA,
-        "weights_resident": False,
-    }
-    args.update(kw)
-    return estimate(config, **args)
-
-
-def plan(available, config=QWEN35_4B, **kw):
-    args = {
-        "max_seq_len": 4096,
-        "max_supervised_tokens": 2048,
-        "lora_rank": 16,
-        "optimizer_kind": "adam_w",
-        "loss_route": KT_TAPE_FLCE,
-        "backend": CUDA,
-        "weights_resident": True,
-        "available_bytes": available,
-    }
-    args.update(kw)
-    return plan_segments(config, **args)
-
+from kiln_train.plan.memory import U64_MAX, estimate, saturate
+from kiln_train.plan.segments import plan_segments
+from tests.kiln_train.plan.plan_support import CPU, CUDA, QWEN35_4B, SIZES, common, est, plan
 
 # ----- component values --------------------------------------------------------------------
 
@@ -212,221 +170,47 @@ def test_invalid_inputs_are_rejected():
     assert err.value.code == "training_invalid_request"
 
 
-# ----- segment planning --------------------------------------------------------------------
+# ----- real Qwen3.5 sizes --------------------------------------------------------------------
 
 
-def test_plan_fits_at_one_segment():
-    p = plan(10**15)
-    assert p.num_segments == 1
-    assert p.breakdown.num_segments == 1
+@pytest.mark.parametrize("name", list(SIZES))
+def test_untied_sizes_charge_the_head_and_bounds_grow_with_t_rank_and_state(name):
+    config = SIZES[name]
+    weights = estimate(config, num_segments=1, **common(weights_resident=False)).base_weights
+    assert weights == config.base_parameter_count() * 2
+    if not config.tie_word_embeddings:
+        tied = parse_config({**config.to_dict(), "tie_word_embeddings": True})
+        assert weights - tied.base_parameter_count() * 2 == config.vocab_size * config.hidden_size * 2
+    s = config.num_hidden_layers // 4
+    totals_t = [
+        estimate(config, num_segments=s, **common(max_seq_len=t, max_supervised_tokens=t)).total
+        for t in (1, 2, 63, 64, 65, 4096, 262144, 1 << 20)
+    ]
+    assert totals_t == sorted(totals_t) and len(set(totals_t)) == len(totals_t)
+    totals_r = [
+        estimate(config, num_segments=s, **common(lora_rank=r)).total
+        for r in (2, 3, 16, 48, config.model_maximum_rank())
+    ]
+    assert totals_r == sorted(totals_r) and len(set(totals_r)) == len(totals_r)
+    by_opt = [
+        estimate(config, num_segments=s, **common(optimizer_kind=k)).total for k in ("sgd", "muon", "adam_w")
+    ]
+    assert by_opt[0] < by_opt[1] < by_opt[2]
 
 
-def test_plan_takes_the_first_count_that_fits():
-    totals = {s: est(num_segments=s, weights_resident=True).total for s in range(1, 33)}
-    # A budget just big enough for 4 segments but not for 1..3.
-    budget = totals[4]
-    assert all(totals[s] > budget for s in (1, 2, 3))
-    p = plan(budget)
-    assert p.num_segments == 4
-    assert p.breakdown.total <= budget
-    first = next(s for s in range(1, 33) if totals[s] <= budget - 1)
-    assert plan(budget - 1).num_segments == first
-
-
-def test_plan_that_never_fits_is_413():
+def test_sizes_that_would_overflow_u64_reject_instead_of_wrapping():
+    config = SIZES["27b"]
+    huge = 1 << 62
+    b = estimate(config, num_segments=1, **common(max_seq_len=huge, max_supervised_tokens=huge))
+    assert b.total == U64_MAX and not b.fits(U64_MAX) and not b.fits(U64_MAX - 1)
+    b = estimate(config, num_segments=1, **common(lora_rank=1 << 60))
+    assert b.lora_param_grad == U64_MAX and b.total == U64_MAX and not b.fits(U64_MAX)
     with pytest.raises(KilnError) as err:
-        plan(2 * GIB)
-    assert err.value.code == "training_will_not_fit"
-    assert "num_segments=32" in err.value.message  # the last plan tried is reported
-    assert "Dynamic gradient checkpointing was already tried (num_segments 1..=32)" in err.value.message
-
-
-def test_full_logits_is_never_given_more_than_one_segment():
-    budget = est(num_segments=8, weights_resident=True).total
-    assert plan(budget).num_segments > 1
-    with pytest.raises(KilnError) as err:
-        plan(budget, loss_route=FULL_LOGITS)
-    assert err.value.code == "training_will_not_fit"
-    assert "route=full_logits" in err.value.message
-    assert "num_segments=1" in err.value.message
-    assert "allows a single checkpoint segment" in err.value.message
-
-
-def test_explicit_multi_segment_with_full_logits_is_invalid():
-    with pytest.raises(KilnError) as err:
-        plan(10**15, loss_route=FULL_LOGITS, requested_segments=2)
-    assert err.value.code == "training_invalid_request"
-    assert http_status(err.value) == 400
-    assert "grad_checkpoint_segments=2" in err.value.message
-    assert plan(10**15, loss_route=FULL_LOGITS, requested_segments=1).num_segments == 1
-
-
-def test_explicit_segment_count_is_honoured_or_413():
-    assert plan(10**15, requested_segments=3).num_segments == 3
-    budget = est(num_segments=8, weights_resident=True).total
-    with pytest.raises(KilnError) as err:
-        plan(budget, requested_segments=2)
-    assert err.value.code == "training_will_not_fit"
-    assert "num_segments=2" in err.value.message
-    assert "grad_checkpoint_segments=2 was honoured as given" in err.value.message
-    with pytest.raises(KilnError) as err:
-        plan(10**15, requested_segments=33)
-    assert err.value.code == "training_invalid_request"
-
-
-# ----- the 413 message ---------------------------------------------------------------------
-
-MESSAGE = re.compile(
-    r"^Estimated training step working set is (\d+\.\d\d) GB but only (\d+\.\d\d) GB is available\. "
-    r"Breakdown: weights (\d+\.\d\d) GB, activations (\d+\.\d\d) GB \(max_seq_len=(\d+), num_segments=(\d+)\), "
-    r"loss workspace (\d+\.\d\d) GB \(route=(\w+)\), LoRA params\+grads (\d+\.\d\d) GB, "
-    r"optimizer state (\d+\.\d\d) GB, residency scratch (\d+\.\d\d) GB \(lora_rank=(\d+)\)\. (.+)$"
-)
-
-
-def test_message_shape_and_order():
-    b = est()
-    msg = will_not_fit_message(b, 3 * GIB, rank_ceiling=7)
-    assert "\n" not in msg
-    m = MESSAGE.match(msg)
-    assert m, msg
-    assert float(m.group(1)) == round(b.total / GIB, 2)
-    assert m.group(2) == "3.00"
-    assert float(m.group(3)) == round(b.base_weights / GIB, 2)
-    assert float(m.group(4)) == round(b.activations / GIB, 2)
-    assert (m.group(5), m.group(6)) == ("4096", "8")
-    assert float(m.group(7)) == round(b.loss_workspace / GIB, 2)
-    assert m.group(8) == "kt_tape_flce"
-    assert float(m.group(9)) == round(b.lora_param_grad / GIB, 2)
-    assert float(m.group(10)) == round(b.lora_optimizer_state / GIB, 2)
-    assert float(m.group(11)) == round(b.residency_scratch / GIB, 2)
-    assert m.group(12) == "16"
-    assert m.group(13).endswith("The largest lora_rank that fits this request is 7.")
-
-
-def _rejection(available, **kw) -> KilnError:
-    with pytest.raises(KilnError) as err:
-        plan(available, **kw)
-    assert err.value.code == "training_will_not_fit"
-    assert MESSAGE.match(err.value.message), err.value.message
-    return err.value
-
-
-def test_rank_too_large_names_the_rank():
-    kw = {"max_seq_len": 256, "max_supervised_tokens": 128, "lora_rank": 1024, "optimizer_kind": "adam_w"}
-    budget = est(num_segments=1, weights_resident=True, **{**kw, "lora_rank": 128}).total
-    err = _rejection(budget, **kw)
-    assert "LoRA rank dominates: lora_rank=1024" in err.message
-    ceiling = max_rank_that_fits(
-        QWEN35_4B,
-        max_seq_len=256,
-        max_supervised_tokens=128,
-        optimizer_kind="adam_w",
-        loss_route=KT_TAPE_FLCE,
-        backend=CUDA,
-        weights_resident=True,
-        available_bytes=budget,
-    )
-    assert 128 <= ceiling < 1024
-    assert f"The largest lora_rank that fits this request is {ceiling}." in err.message
-
-
-def test_sequence_too_long_names_the_sequence():
-    err = _rejection(40 * GIB, max_seq_len=262144, max_supervised_tokens=1024)
-    assert "Sequence length dominates: activations for max_seq_len=262144" in err.message
-    assert "No lora_rank fits this request" in err.message
-
-
-def test_loss_workspace_problem_names_the_route():
-    # Narrow layers, full vocabulary: the dense [T, V] logits outweigh everything else.
-    err = _rejection(
-        8 * GIB, config=SMALL, loss_route=FULL_LOGITS, max_seq_len=8192, max_supervised_tokens=4096
-    )
-    assert "The loss workspace dominates: route=full_logits" in err.message
-
-
-def test_general_capacity_names_the_weights():
-    err = _rejection(6 * GIB, weights_resident=False, max_seq_len=512, max_supervised_tokens=100)
-    assert "General capacity: the base weights alone need 7.83 GB" in err.message
-
-
-def test_dominant_component_of_each_kind():
-    assert (
-        dominant_component(est(weights_resident=False, max_seq_len=64, max_supervised_tokens=8)) == "weights"
-    )
-    assert (
-        dominant_component(
-            est(weights_resident=True, max_seq_len=64, lora_rank=1024, max_supervised_tokens=8)
+        plan_segments(
+            config, **common(max_seq_len=huge, max_supervised_tokens=huge), available_bytes=U64_MAX - 1
         )
-        == "rank"
-    )
-    assert (
-        dominant_component(est(weights_resident=True, max_seq_len=65536, max_supervised_tokens=8))
-        == "sequence"
-    )
-
-
-# ----- rank ceiling ------------------------------------------------------------------------
-
-
-def test_rank_ceiling_is_the_largest_rank_that_fits():
-    kw = {
-        "max_seq_len": 1024,
-        "max_supervised_tokens": 512,
-        "optimizer_kind": "muon",
-        "loss_route": KT_TAPE_FLCE,
-        "backend": CUDA,
-        "weights_resident": True,
-    }
-    budget = est(num_segments=32, lora_rank=300, **{k: v for k, v in kw.items() if k != "loss_route"}).total
-    r = max_rank_that_fits(QWEN35_4B, available_bytes=budget, **kw)
-    assert r >= 300
-
-    def fits(rank):
-        return any(
-            est(num_segments=s, lora_rank=rank, **{k: v for k, v in kw.items() if k != "loss_route"}).fits(
-                budget
-            )
-            for s in range(1, 33)
-        )
-
-    assert fits(r) and not fits(r + 1)
-    assert (
-        max_rank_that_fits(QWEN35_4B, available_bytes=10**15, **kw) == QWEN35_4B.model_maximum_rank() == 1024
-    )
-    assert max_rank_that_fits(QWEN35_4B, available_bytes=1, **kw) == 0
-
-
-# ----- the budget --------------------------------------------------------------------------
-
-
-def test_available_budget_subtracts_reserve_and_applies_cap():
-    total, free = 80 * GIB, 70 * GIB
-    assert available_budget(CUDA, total_bytes=total, free_bytes=free, reserve_gb=1.0) == 69 * GIB
-    assert (
-        available_budget(CUDA, total_bytes=total, free_bytes=free, reserve_gb=1.0, training_memory_gb=20)
-        == 20 * GIB
-    )
-    assert available_budget(CUDA, total_bytes=total, free_bytes=GIB // 2, reserve_gb=1.0) == 0
-    assert (
-        available_budget(CPU, total_bytes=8 * GIB, free_bytes=9 * GIB, reserve_gb=0.5) == 7 * GIB + GIB // 2
-    )
-    with pytest.raises(ValueError):
-        available_budget(CPU, total_bytes=GIB, free_bytes=-1, reserve_gb=0)
-
-
-def test_cpu_available_bytes_reads_meminfo_and_cgroup(tmp_path):
-    meminfo = tmp_path / "meminfo"
-    meminfo.write_text("MemTotal:       32000000 kB\nMemFree:  100 kB\nMemAvailable:   20000000 kB\n")
-    cgroup = tmp_path / "cg"
-    cgroup.mkdir()
-    assert cpu_available_bytes(meminfo, cgroup) == 20_000_000 * 1024
-    (cgroup / "memory.max").write_text("max\n")
-    assert cpu_available_bytes(meminfo, cgroup) == 20_000_000 * 1024
-    (cgroup / "memory.max").write_text(str(8 * GIB) + "\n")
-    (cgroup / "memory.current").write_text(str(3 * GIB) + "\n")
-    assert cpu_available_bytes(meminfo, cgroup) == 5 * GIB
-    assert cpu_available_bytes() > 0  # this machine
+    assert err.value.code == TRAINING_WILL_NOT_FIT
+    assert "No lora_rank fits this request" in err.value.message
 
 
 def test_memory_modules_do_not_import_torch():
@@ -436,53 +220,3 @@ def test_memory_modules_do_not_import_torch():
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
-
-
-# ----- re-admitting a pinned per-row plan (a resume of an auto-planned run) ----------------------
-
-
-def _row_bound(t: int, a: int, s: int):
-    return est(max_seq_len=t, max_supervised_tokens=a, num_segments=s, lora_rank=16, optimizer_kind="adam_w")
-
-
-def test_row_segments_gives_each_row_the_fewest_segments_within_the_plan():
-    long_1, long_2 = _row_bound(16384, 8192, 1), _row_bound(16384, 8192, 2)
-    assert long_2.total < long_1.total
-    budget = long_2.total  # the long row needs 2 segments, a short one fits in 1
-    plan = {"max_segments": 4, "auto": True, "budget_bytes": budget}
-
-    def fits(t, a, s):
-        return _row_bound(t, a, s).fits(budget)
-
-    assert row_segments(plan, 16384, 8192, fits) == 2
-    assert row_segments(plan, 512, 256, fits) == 1
-    fixed = {"max_segments": 4, "auto": False, "budget_bytes": None}
-    assert row_segments(fixed, 512, 256, fits) == 4
-    nothing_fits = {"max_segments": 3, "auto": True, "budget_bytes": 1}
-    assert row_segments(nothing_fits, 512, 256, lambda *_: False) == 3
-
-
-def test_a_pinned_row_plan_is_readmitted_row_by_row():
-    budget = _row_bound(16384, 8192, 2).total
-    plan = {"max_segments": 4, "auto": True, "budget_bytes": budget}
-    rows = [(16384, 8192), (12000, 6000), (512, 256), (512, 256)]
-    common = {
-        "lora_rank": 16,
-        "optimizer_kind": "adam_w",
-        "loss_route": KT_TAPE_FLCE,
-        "backend": CUDA,
-        "weights_resident": False,
-    }
-    worst = check_row_plan_fits(QWEN35_4B, rows, plan, available_bytes=budget, **common)
-    # The worst row under the plan: a 12k row on 1 segment can outweigh the 16k row on 2.
-    expected = max(
-        (_row_bound(t, a, 1) if _row_bound(t, a, 1).fits(budget) else _row_bound(t, a, 2)).total
-        for t, a in rows
-    )
-    assert worst is not None and worst.total == expected <= budget
-    assert check_row_plan_fits(QWEN35_4B, [], plan, available_bytes=budget, **common) is None
-    # Today's budget one byte under the worst row's bound: 413 with the contract's breakdown.
-    with pytest.raises(KilnError) as err:
-        check_row_plan_fits(QWEN35_4B, rows, plan, available_bytes=expected - 1, **common)
-    assert err.value.code == "training_will_not_fit"
-    assert "loss workspace" in err.value.message and "num_segments" in err.value.message

@@ -1,4 +1,4 @@
-"""The trainer learns, and a seed reproduces a run bit for bit on CPU (issue 6 "Proof")."""
+"""The trainer learns, and a seed reproduces a run bit for bit on CPU."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import torch
 from kiln_train.data.labels import IGNORE_INDEX
 from kiln_train.data.validation import prepare_validation
 from kiln_train.sft_config import ValidationSpec
-from tests.kiln_train.data.oracle_support import labels_from, load_fixture
+from tests.kiln_train.data.reference_fixtures import labels_from, load_fixture
 from tests.kiln_train.train import trainer_fixtures as fx
 from tests.kiln_train.train.trainer_fixtures import ingest, make_config, train
 

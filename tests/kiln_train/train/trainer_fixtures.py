@@ -10,7 +10,7 @@ Import the fixtures a test module uses explicitly:
 
     from tests.kiln_train.train.trainer_fixtures import resident, tiny_dir  # noqa: F401
 
-The module is also the fresh-process resume driver of `test_resume_exact.py`:
+The module is also the fresh-process resume driver of `resume/test_exact.py`:
 
     python -m tests.kiln_train.train.trainer_fixtures resume JOBS.json
 

@@ -1,0 +1,195 @@
+"""`finetune`: train one LoRA adapter with no server, in one call (docs/library.md).
+
+A library run gets what a submission to the service gets, from the same code: the config is
+parsed and its names checked (`kiln_train/plan/names.py`), the request is gated against the
+model's backend (`kiln_train/plan/gates.py`), then `kiln_train/plan/run_plan.py: plan_run`
+resolves the defaults (learning rate by optimizer, a seed drawn once), ingests the rows with the
+model's tokenizer and training template and admits the memory plan. A refusal is the
+`KilnError` the service would answer with (its `code`: `training_invalid_request`,
+`training_will_not_fit`, `adapter_already_exists`, `training_backend_unsupported`), raised
+before anything is written. Then `train_sft` trains with the pinned plan and publishes the
+adapter, its receipt and its checkpoints into `output_dir`, an adapter registry laid out like
+the service's `<storage.root>/adapters/`.
+
+What the service adds around a run (the job store, the queue, leases, fencing, re-verification
+at dequeue) has no counterpart here: nothing waits between planning and training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from kiln_train.data.ingestion import IngestionResult, ingest_examples, ingest_jsonl
+from kiln_train.errors import ADAPTER_ALREADY_EXISTS, KilnError, backend_unsupported, invalid_request
+from kiln_train.model.resident import ResidentModel, load_resident, missing_device
+from kiln_train.plan.backend import backend_for_device
+from kiln_train.plan.budget import apply_cpu_allocator_policy, available_budget, device_memory
+from kiln_train.plan.gates import check_base_adapter, check_static_gates, resident_target
+from kiln_train.plan.names import check_no_later_checkpoints, check_request_names
+from kiln_train.plan.run_plan import RunPlan, plan_run
+from kiln_train.sft_config import SftConfig, parse_sft_config
+from kiln_train.train.request import TrainRequest
+from kiln_train.train.result import StepReport, TrainResult
+from kiln_train.train.trainer import new_run_id, train_sft
+from kiln_train.train.warmup import warm_up
+
+# The service's `[memory]` defaults (docs/configuration.md): 1 GiB kept free, no cap.
+DEFAULT_RESERVE_GB = 1.0
+
+Data = list[dict] | str | Path
+
+
+def finetune(
+    model: str | Path | ResidentModel,
+    data: Data,
+    config: dict | SftConfig | None,
+    output_dir: str | Path,
+    *,
+    progress: Callable[[StepReport], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    device: str = "cpu",
+    reserve_gb: float = DEFAULT_RESERVE_GB,
+    training_memory_gb: float | None = None,
+) -> TrainResult:
+    """Train one LoRA adapter on `data` and publish it into `output_dir`; returns the run's
+    `TrainResult` (`status` "success" with `adapter_path`, or "failed" with a failed receipt).
+
+    - `model`: a Hugging Face Qwen3.5 checkpoint directory (loaded on `device`: "cpu", "cuda"
+      or "cuda:N"), or a `ResidentModel` already loaded with `load_resident` (reused as is).
+    - `data`: the example objects of a request's `examples`, or the path of a JSONL file (one
+      conversation per line; ingested like a `dataset_path`).
+    - `config`: the request's `config` as a dict (or an `SftConfig`); omitted fields take the
+      service's defaults and an omitted seed is drawn once (the receipt records it).
+      `resume_checkpoint` and `base_adapter` name directories inside `output_dir`.
+    - `progress` is called after every optimizer step; `should_stop` is polled after every step
+      and True stops the run at a checkpoint (failure reason `cancelled`).
+    - `reserve_gb` and `training_memory_gb` bound the memory budget as the service's
+      `[memory]` settings do.
+
+    Raises `KilnError` (its `code` and `message` name the field, row or file) when the service
+    would refuse the same submission; nothing is written then.
+    """
+    parsed = _parse_config(config)
+    check_request_names(parsed)
+    memory = _memory_settings(reserve_gb, training_memory_gb)
+    registry = Path(output_dir).expanduser().resolve()
+    resident = model if isinstance(model, ResidentModel) else _load(model, device, memory)
+    plan, run_id = _plan(resident, parsed, data, registry, memory)
+    registry.mkdir(parents=True, exist_ok=True)
+    return train_sft(
+        TrainRequest(
+            resident=resident,
+            config=plan.config,
+            ingestion=plan.ingestion,
+            loss_route=resident.backend.sft_loss_route,
+            output_root=registry,
+            adapter_name=plan.config.output_name,
+            progress=progress,
+            should_stop=should_stop,
+            checkpoint_plan=plan.checkpoint_plan(),
+            resume_checkpoint=plan.resume.path if plan.resume is not None else None,
+            run_id=run_id,
+        )
+    )
+
+
+def _parse_config(config: dict | SftConfig | None) -> SftConfig:
+    if isinstance(config, SftConfig):
+        return config
+    return parse_sft_config(config, field_path=("config",))
+
+
+def _memory_settings(reserve_gb: float, training_memory_gb: float | None) -> dict:
+    """The `[memory]` values of this run, checked as the settings check them."""
+    if isinstance(reserve_gb, bool) or not isinstance(reserve_gb, int | float) or not reserve_gb >= 0:
+        raise invalid_request(f"reserve_gb must be a non-negative number, got {reserve_gb!r}")
+    if training_memory_gb is not None and (
+        isinstance(training_memory_gb, bool)
+        or not isinstance(training_memory_gb, int | float)
+        or not training_memory_gb > 0
+    ):
+        raise invalid_request(
+            f"training_memory_gb must be a positive number or None, got {training_memory_gb!r}"
+        )
+    return {"reserve_gb": reserve_gb, "training_memory_gb": training_memory_gb}
+
+
+def _load(model_dir: str | Path, device: str, memory: dict) -> ResidentModel:
+    """Load the model as the worker does: the CPU allocator policy first, the memory settings in
+    the execution identity, one warm-up step before the budget is measured."""
+    try:
+        backend_for_device(device)
+    except ValueError as exc:
+        raise invalid_request(f"device {device!r}: {exc}") from None
+    problem = missing_device(device)
+    if problem is not None:
+        raise backend_unsupported(f"device {device!r}: {problem}")
+    if device == "cpu":
+        apply_cpu_allocator_policy()
+    try:
+        resident = load_resident(model_dir, device=device, server_config={"memory": memory})
+    except OSError as exc:
+        raise backend_unsupported(f"cannot load the model at {model_dir}: {exc.strerror or exc}") from None
+    warm_up(resident)
+    return resident
+
+
+def _plan(
+    resident: ResidentModel, config: SftConfig, data: Data, registry: Path, memory: dict
+) -> tuple[RunPlan, str]:
+    """The static gates, then `plan_run`, then the names the run will publish."""
+    target = resident_target(resident.backend, resident.config)
+    check_static_gates(target, config)
+    check_base_adapter(config, registry, target.model)
+    if config.output_name is not None:
+        _check_adapter_free(registry, config.output_name)
+    run_id = new_run_id()
+    plan = plan_run(
+        config,
+        target,
+        adapters_dir=registry,
+        ingest=lambda effective: _ingest(resident, data, effective.invalid_row_policy),
+        available_bytes=lambda: _available_bytes(resident, memory),
+        default_output_name=f"sft-{run_id[:8]}",
+        server=False,
+    )
+    name = plan.config.output_name
+    assert name is not None
+    _check_adapter_free(registry, name)
+    start = plan.resume.manifest.progress.global_step if plan.resume is not None else 0
+    check_no_later_checkpoints(registry, name, start, resumed=plan.resume is not None)
+    return plan, run_id
+
+
+def _ingest(resident: ResidentModel, data: Data, policy: str) -> IngestionResult:
+    common = {"tokenizer": resident.tokenizer, "template": resident.template, "policy": policy}
+    if isinstance(data, str | Path):
+        return ingest_jsonl(Path(data), **common)
+    if isinstance(data, list | tuple):
+        if not data:
+            raise invalid_request("examples must contain at least one example")
+        return ingest_examples(list(data), **common)
+    raise invalid_request(
+        f"data must be a list of example objects or the path of a JSONL file, got {type(data).__name__}"
+    )
+
+
+def _available_bytes(resident: ResidentModel, memory: dict) -> int:
+    backend = resident.backend
+    free, total = device_memory(backend.device)
+    if free is None:
+        raise backend_unsupported(f"device {backend.device} reports no free memory to plan against")
+    return available_budget(
+        backend,
+        total_bytes=total or free,
+        free_bytes=free,
+        reserve_gb=memory["reserve_gb"],
+        training_memory_gb=memory["training_memory_gb"],
+    )
+
+
+def _check_adapter_free(registry: Path, name: str) -> None:
+    """Adapter names are never overwritten (409 `adapter_already_exists`, as the service)."""
+    if (registry / name).exists():
+        raise KilnError(ADAPTER_ALREADY_EXISTS, f"adapter directory {name!r} already exists in the registry")

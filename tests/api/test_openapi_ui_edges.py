@@ -1,0 +1,202 @@
+"""The routes of the browser UI (datasets, inspector, preflight, checkpoints, the UI's files)
+held to what the OpenAPI document says about them, at the edges: what it allows is accepted,
+what it forbids is the envelope with the contract's status, and a refusal leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+from urllib.parse import quote
+
+import pytest
+
+from api.datasets import check_dataset_name
+from api.routes.adapters import check_adapter_name
+from kiln_train.errors import KilnError
+from tests.api.conftest import example, snapshot
+from tests.api.openapi_support import matches
+
+NDJSON = {"Content-Type": "application/x-ndjson"}
+ROWS = (json.dumps(example(0)) + "\n").encode()
+NEW_ROUTES = [
+    ("post", "/v1/train/sft/preflight"),
+    ("post", "/v1/datasets"),
+    ("get", "/v1/datasets"),
+    ("get", "/v1/datasets/{dataset}"),
+    ("delete", "/v1/datasets/{dataset}"),
+    ("get", "/v1/datasets/{dataset}/inspect"),
+    ("post", "/v1/data/inspect"),
+    ("get", "/v1/checkpoints"),
+    ("get", "/"),
+    ("get", "/ui/defaults.json"),
+    ("get", "/ui/{filename}"),
+]
+
+
+def _doc(client) -> dict:
+    return client.get("/openapi.json").get_json()
+
+
+def _param(doc: dict, path: str, method: str, name: str) -> dict:
+    (param,) = [p for p in doc["paths"][path][method]["parameters"] if p["name"] == name]
+    return param
+
+
+def _envelope(response) -> dict:
+    body = response.get_json()
+    assert body is not None and set(body) == {"error"}, response.get_data(as_text=True)[:200]
+    assert set(body["error"]) == {"code", "message", "hint"}
+    return body["error"]
+
+
+def _accepts(check, name: str) -> bool:
+    try:
+        check(name)
+    except KilnError:
+        return False
+    return True
+
+
+def test_every_new_route_is_documented(client):
+    paths = _doc(client)["paths"]
+    for method, path in NEW_ROUTES:
+        assert method in paths.get(path, {}), (method, path)
+    upload = paths["/v1/datasets"]["post"]
+    assert upload["requestBody"]["content"] == {"application/x-ndjson": {"schema": {"type": "string"}}}
+    assert "201" in upload["responses"]
+    assert _param(_doc(client), "/v1/datasets", "post", "name")["required"] is True
+    preflight = paths["/v1/train/sft/preflight"]["post"]["requestBody"]["content"]["application/json"][
+        "schema"
+    ]
+    assert preflight == {"$ref": "#/components/schemas/SftRequest"}
+
+
+def test_the_ui_files_are_public_and_the_api_routes_are_not():
+    from api.openapi import build_document
+
+    paths = build_document(auth=True)["paths"]
+    for method, path in NEW_ROUTES:
+        secured = "security" in paths[path][method]
+        assert secured == (path != "/" and not path.startswith("/ui/")), (method, path)
+
+
+DATASET_NAMES = [
+    "a",
+    "rows.jsonl",
+    "A-b_c.1",
+    "x" * 200,
+    "x" * 201,
+    ".hidden",
+    "-dash",
+    "_under",
+    "a b",
+    "é.jsonl",
+    "a\n",
+    "..",
+    "a%b",
+]
+
+
+@pytest.mark.parametrize("name", DATASET_NAMES)
+def test_dataset_names_the_document_allows_are_the_ones_the_routes_accept(
+    name, client, engine, broker, storage, runner
+):
+    doc = _doc(client)
+    accepted = _accepts(check_dataset_name, name)
+    for path, method in [
+        ("/v1/datasets/{dataset}", "get"),
+        ("/v1/datasets/{dataset}", "delete"),
+        ("/v1/datasets/{dataset}/inspect", "get"),
+    ]:
+        assert matches(_param(doc, path, method, "dataset")["schema"], name) == accepted, (path, name)
+    assert matches(_param(doc, "/v1/datasets", "post", "name")["schema"], name) == accepted
+    before = snapshot(engine, broker, storage)
+    if name != "..":  # a client resolves dot segments before sending
+        response = client.get(f"/v1/datasets/{quote(name, safe='')}")
+        expected = ("dataset_not_found", 404) if accepted else ("invalid_dataset_name", 400)
+        assert (_envelope(response)["code"], response.status_code) == expected
+    upload = client.post("/v1/datasets", query_string={"name": name, "invalid_row_policy": "fail"}, data=b"x",
+                         headers=NDJSON)  # fmt: skip
+    assert upload.status_code == 400  # a bad name, or (a good one) the row that is not JSON
+    code = _envelope(upload)["code"]
+    assert code == ("training_invalid_request" if accepted else "invalid_dataset_name")
+    assert snapshot(engine, broker, storage) == before
+
+
+@pytest.mark.parametrize("route", ["/v1/data/inspect", "/v1/datasets/five.jsonl/inspect"])
+def test_inspect_page_bounds_hold_at_their_edges(route, client, settings, runner):
+    (settings.datasets_dir / "five.jsonl").write_bytes(ROWS * 5)
+    doc = _doc(client)
+    template = "/v1/data/inspect" if route == "/v1/data/inspect" else "/v1/datasets/{dataset}/inspect"
+    method = "post" if route == "/v1/data/inspect" else "get"
+
+    def call(query: str):
+        if method == "post":
+            return client.post(f"{route}?{query}", data=ROWS, headers=NDJSON)
+        return client.get(f"{route}?{query}")
+
+    for name in ("offset", "limit"):
+        schema = _param(doc, template, method, name)["schema"]
+        for inside in (schema["minimum"], schema["maximum"]):
+            assert call(f"{name}={inside}").status_code == 200, (name, inside)
+        for outside in (schema["minimum"] - 1, schema["maximum"] + 1):
+            response = call(f"{name}={outside}")
+            assert response.status_code == 400 and _envelope(response)["code"] == "training_invalid_request"
+    policy = _param(doc, template, method, "invalid_row_policy")["schema"]
+    for value in policy["enum"]:
+        assert call(f"invalid_row_policy={value}").status_code == 200
+    for value in ("Skip", "", "none", "fail "):
+        response = call(f"invalid_row_policy={quote(value)}")
+        assert response.status_code == 400, value
+
+
+@pytest.mark.parametrize("adapter", ["a", "x" * 255, "x" * 256, "a b", ".", "a.kiln-checkpoint", "é"])
+def test_the_checkpoints_adapter_filter_is_what_the_route_accepts(adapter, client):
+    schema = _param(_doc(client), "/v1/checkpoints", "get", "adapter")["schema"]
+    accepted = _accepts(check_adapter_name, adapter)
+    response = client.get("/v1/checkpoints", query_string={"adapter": adapter})
+    assert response.status_code == (200 if accepted else 400), adapter
+    if accepted:
+        assert response.get_json() == {"checkpoints": []}
+        assert matches(schema, adapter)
+    else:
+        assert _envelope(response)["code"] == "invalid_adapter_name"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"", b"{", b"\xff\xfe", b"null", b"[]", b'{"examples": "nope"}', b'{"config": {"epochs": 1e400}}'],
+)
+def test_garbage_to_the_preflight_is_a_400_envelope_and_writes_nothing(
+    body, client, engine, broker, storage, runner
+):
+    before = snapshot(engine, broker, storage)
+    response = client.post("/v1/train/sft/preflight", data=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400
+    assert _envelope(response)["code"] == "training_invalid_request"
+    assert snapshot(engine, broker, storage) == before
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"\xff\xfe\x00", b"\xef\xbb\xbf" + ROWS, b"{" * 500 + b"\n", b"\x00\n", b"[" * 200 + b"]" * 200 + b"\n"],
+)
+def test_garbage_rows_are_row_numbered_refusals_not_errors(body, client, engine, broker, storage, runner):
+    before = snapshot(engine, broker, storage)
+    stored = client.post("/v1/datasets?name=g.jsonl", data=body, headers=NDJSON)
+    assert stored.status_code == 400, stored.get_json()
+    assert "SFT row 1 (sha256:" in _envelope(stored)["message"]
+    inspected = client.post("/v1/data/inspect", data=body, headers=NDJSON)
+    assert inspected.status_code == 200
+    answer = inspected.get_json()
+    assert answer["error"]["code"] == "training_invalid_request" and answer["receipt"] is None
+    assert snapshot(engine, broker, storage) == before
+
+
+@pytest.mark.parametrize(
+    "path", ["/ui/missing.js", "/ui/../api/app.py", "/ui/%2e%2e/app.py", "/ui/vendor/", "/ui/"]
+)
+def test_files_outside_the_ui_are_a_404_envelope(path, client):
+    response = client.get(path)
+    assert response.status_code == 404
+    assert _envelope(response)["code"] == "not_found"

@@ -1,0 +1,22 @@
+"""The live `kiln` processes started for one storage root, for the tests that start `kiln demo`
+and `kiln up` and check that nothing is left behind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psutil
+
+
+def demo_processes(root: Path) -> list[psutil.Process]:
+    """Live processes started for this demo root (their environment names it)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if "kiln.cli.main" not in " ".join(proc.info["cmdline"] or []):
+                continue
+            if proc.environ().get("KILN_STORAGE_ROOT") == str(root) and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found

@@ -1,0 +1,58 @@
+"""A library run is a service run: `kiln_train.finetune` on the rows, config and seed of a job
+the api admitted and the worker ran publishes the same adapter, receipt and checkpoints
+(docs/library.md#the-service-and-the-library)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kiln_train import finetune
+from tests.api.conftest import sft_body, unique_name
+from tests.kiln_train.train.resume.resume_support import VOLATILE_RECEIPT, json_diff
+
+# Where two runs of one plan may differ in a checkpoint manifest: when it was written, and the
+# budget an automatic segment plan was derived from (the free memory each run was planned with).
+VOLATILE_MANIFEST = {"created_at", "auxiliary_state.gradient_checkpoint_plan.budget_bytes"}
+
+
+def submit(client, body: dict) -> str:
+    response = client.post("/v1/train/sft", json=body)
+    assert response.status_code == 200, response.get_json()
+    return response.get_json()["job_id"]
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+@pytest.mark.slow
+def test_finetune_publishes_what_a_service_job_publishes(client, runtime, settings, resident, tmp_path):
+    name = unique_name("parity")
+    config = {"epochs": 2, "checkpoint_interval": 2, "output_name": name, "seed": 11}
+    body = sft_body(3, optimizer={"kind": "adam_w"}, **config)
+    job_id = submit(client, body)
+    assert runtime.run_job(job_id) == "completed"
+    service = settings.adapters_dir
+    result = finetune(resident, body["examples"], body["config"], tmp_path)
+    assert result.status == "success", result.failure_message
+
+    for file in ("adapter_model.safetensors", "adapter_config.json"):
+        assert (result.adapter_path / file).read_bytes() == (service / name / file).read_bytes(), file
+    ours, theirs = read_json(result.receipt_path), read_json(service / name / "train_receipt.json")
+    assert [p for p in json_diff(ours, theirs) if p not in VOLATILE_RECEIPT] == []
+
+    checkpoints = sorted(p.name for p in service.glob(f"{name}-checkpoint-step-*"))
+    assert checkpoints == sorted(p.name for p in tmp_path.glob("*.kiln-checkpoint"))
+    assert len(checkpoints) == 2
+    for basename in checkpoints:
+        files = sorted(p.name for p in (service / basename).iterdir())
+        assert sorted(p.name for p in (tmp_path / basename).iterdir()) == files
+        for file in files:
+            if file != "checkpoint_manifest.json":
+                assert (tmp_path / basename / file).read_bytes() == (service / basename / file).read_bytes()
+        m1 = read_json(tmp_path / basename / "checkpoint_manifest.json")
+        m2 = read_json(service / basename / "checkpoint_manifest.json")
+        assert [p for p in json_diff(m1, m2) if p not in VOLATILE_MANIFEST] == [], basename
