@@ -430,3 +430,37 @@ def test_the_manifest_rules_check_the_validation_members(resident, ingestion, tm
     del lone["auxiliary_state"][ckpt.VALIDATION_HISTORY_AUX_KEY]
     with pytest.raises(ckpt.CheckpointError, match="both"):
         ckpt.validate_manifest(manifest_from_json(lone))
+
+
+def test_finetune_takes_validation_like_the_service(resident, ingestion, tmp_path):
+    from kiln_train import KilnError, finetune
+
+    config = {"epochs": 2, "lora_rank": 4, "lora_alpha": 8.0, "optimizer": {"kind": "adam_w"}, "seed": SEED}
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps(r) + "\n" for r in conversations(2, offset=90)), encoding="utf-8")
+    seen = []
+    result = finetune(
+        resident,
+        conversations(4),
+        config,
+        tmp_path / "out",
+        validation={"dataset_path": str(held), "interval_steps": 3},
+        on_evaluation=seen.append,
+    )
+    assert result.status == "success", result.failure_message
+    assert evaluation_steps(result.validation_history) == [(0, 0), (3, 0), (4, 1), (6, 1), (8, 2)]
+    assert [e.to_json() for e in seen] == result.validation_history
+    part = result.receipt["data"]["sft_ingestion"]["validation"]
+    assert part["source"] == "dataset_path" and part["rows_kept"] == 2
+    holdout = finetune(
+        resident, conversations(8), config, tmp_path / "holdout", validation={"holdout_percent": 25}
+    )
+    assert holdout.total_steps == 12 and holdout.receipt["validation"]["rows"] == 2
+    for validation, fragment in (
+        ({"holdout_percent": 60}, "validation.holdout_percent"),
+        ({"bogus": 1}, "validation.bogus: unknown field"),
+    ):
+        with pytest.raises(KilnError) as info:
+            finetune(resident, conversations(4), config, tmp_path / "refused", validation=validation)
+        assert fragment in info.value.detail
+    assert not (tmp_path / "refused").exists()
