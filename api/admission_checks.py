@@ -55,3 +55,8 @@ def check_dataset_path_length(request: SftRequest) -> None:
         raise invalid_request(
             f"dataset_path is {len(path)} characters; at most {DATASET_PATH_MAX} are accepted"
         )
+    path = request.validation.dataset_path if request.validation is not None else None
+    if path is not None and len(path) > DATASET_PATH_MAX:
+        raise invalid_request(
+            f"validation.dataset_path is {len(path)} characters; at most {DATASET_PATH_MAX} are accepted"
+        )

@@ -13,8 +13,10 @@ from api.services import Services
 from kiln.store import new_job_id, states
 from kiln_train.artifacts.digest import json_sha256
 from kiln_train.data.ingestion import IngestionResult, ingest_examples, ingest_jsonl, resolve_dataset_path
+from kiln_train.data.validation import ValidationSet, prepare_validation
 from kiln_train.errors import backend_unsupported
 from kiln_train.plan.budget import available_budget
+from kiln_train.plan.memory import Breakdown
 from kiln_train.plan.resume_point import ResumePoint
 from kiln_train.plan.run_plan import checkpoint_plan_record, plan_run
 from kiln_train.plan.segments import SegmentPlan
@@ -32,6 +34,14 @@ class AdmissionPlan:
     auto_segments: bool  # rows get the fewest segments that fit (planned, not given by the request)
     resume: ResumePoint | None
     budget_bytes: int  # the budget an auto plan's rows are planned against (a resume: the checkpoint's)
+    validation: ValidationSet | None = None  # the held-out rows (docs/validation.md)
+    validation_breakdown: Breakdown | None = None  # their forward's working set
+
+    @property
+    def memory_estimate_bytes(self) -> int:
+        """What the run needs at its peak: a training step or a validation forward."""
+        forward = self.validation_breakdown.total if self.validation_breakdown is not None else 0
+        return max(self.segments.breakdown.total, forward)
 
 
 def prepare_plan(svc: Services, request: SftRequest, target: RunnerTarget) -> AdmissionPlan:
@@ -45,6 +55,7 @@ def prepare_plan(svc: Services, request: SftRequest, target: RunnerTarget) -> Ad
         adapters_dir=settings.adapters_dir,
         ingest=lambda config: _ingest(svc, request, config, target),  # (8)
         available_bytes=lambda: _available_bytes(svc, target),  # (9)
+        validate=lambda config, ingestion: _validation(svc, request, config, target, ingestion),
         default_output_name=f"sft-{job_id[:8]}",
         default_checkpoint_interval=settings.training.checkpoint_interval,
     )
@@ -58,6 +69,8 @@ def prepare_plan(svc: Services, request: SftRequest, target: RunnerTarget) -> Ad
         run.auto_segments,
         run.resume,
         run.budget_bytes,
+        run.validation,
+        run.validation_breakdown,
     )
 
 
@@ -76,6 +89,24 @@ def _ingest(svc: Services, request: SftRequest, config: SftConfig, target: Runne
         policy=config.invalid_row_policy,
         source="dataset_path",
         source_locator=request.dataset_path,
+    )
+
+
+def _validation(
+    svc: Services, request: SftRequest, config: SftConfig, target: RunnerTarget, ingestion: IngestionResult
+) -> tuple[IngestionResult, ValidationSet | None]:
+    """The held-out rows: their own ingestion (same tokenizer, template and policy) or the seeded
+    holdout of the submitted rows, which then leave the training rows."""
+    if request.validation is None:
+        return ingestion, None
+    tokenizer = svc.tokenizers.get(target.model_path, target.identity.get("tokenizer_vocab_sha256"))
+    return prepare_validation(
+        request.validation,
+        ingestion,
+        tokenizer=tokenizer,
+        policy=config.invalid_row_policy,
+        seed=config.seed,
+        datasets_root=svc.settings.datasets_dir,
     )
 
 
@@ -122,13 +153,15 @@ def admission_fields(plan: AdmissionPlan) -> dict:
     inline = plan.request.examples is not None
     breakdown = segments.breakdown.to_dict()
     breakdown["available_bytes"] = segments.available_bytes
+    if plan.validation_breakdown is not None:
+        breakdown["validation_forward"] = plan.validation_breakdown.to_dict()
     return {
         "loss_route": plan.target.loss_route,
         "optimizer": {"learning_rate": config.learning_rate, **config.optimizer.model_dump(mode="json")},
         "checkpoint_plan": checkpoint_plan_record(
             plan.segments, plan.auto_segments, plan.budget_bytes, plan.resume
         ),
-        "memory_estimate_bytes": segments.breakdown.total,
+        "memory_estimate_bytes": plan.memory_estimate_bytes,
         "memory_breakdown": breakdown,
         "execution_identity_digest": plan.target.execution_identity_digest,
         "runner_id": plan.target.runner_id,
@@ -141,7 +174,15 @@ def admission_fields(plan: AdmissionPlan) -> dict:
         "dataset_path": None if inline else plan.request.dataset_path,
         "max_seq_len": ingestion.max_seq_len,
         "max_supervised_tokens": ingestion.max_supervised_tokens,
+        "validation": validation_pin(plan.request),
     }
+
+
+def validation_pin(request: SftRequest) -> dict | None:
+    """The request's `validation` as the admission row keeps it (what the worker re-derives)."""
+    if request.validation is None:
+        return None
+    return request.validation.model_dump(mode="json", exclude_none=True)
 
 
 def first_event(plan: AdmissionPlan) -> dict:
@@ -154,7 +195,8 @@ def first_event(plan: AdmissionPlan) -> dict:
             "rows_rejected": plan.ingestion.receipt["rows_rejected"],
             "total_steps": plan.config.epochs * len(plan.ingestion.rows),
             "grad_checkpoint_segments": plan.segments.num_segments,
-            "memory_estimate_bytes": plan.segments.breakdown.total,
+            "memory_estimate_bytes": plan.memory_estimate_bytes,
             "resume_checkpoint": plan.resume.path.name if plan.resume else None,
+            **({"validation_rows": len(plan.validation.rows)} if plan.validation is not None else {}),
         },
     }

@@ -2,7 +2,7 @@
 
 Two sources: what this process counted (admissions by outcome and code, admission latency),
 and what the job store says at scrape time (jobs by state, queue depth, runner up and
-heartbeat age) — the latter is read fresh on every scrape so every gunicorn worker reports the
+heartbeat age, each tracked job's newest validation loss and token accuracy) — the latter is read fresh on every scrape so every gunicorn worker reports the
 same truth. Under `kiln serve` the process counters are shared across workers through
 prometheus_client's multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`, set before any import).
 """
@@ -84,3 +84,32 @@ class _StoreCollector:
         if snap["heartbeat_age_s"] is not None:
             age.add_metric([], snap["heartbeat_age_s"])
         yield age
+        yield from _validation_gauges(snap.get("validation", []))
+
+
+def _validation_gauges(latest: list[dict]):
+    """The newest evaluation of each tracked job with held-out validation (docs/validation.md)."""
+    labels = ["job_id", "adapter_name"]
+    loss = GaugeMetricFamily(
+        "kiln_validation_loss",
+        "Validation loss (token-weighted mean cross-entropy) of the job's newest evaluation.",
+        labels=labels,
+    )
+    accuracy = GaugeMetricFamily(
+        "kiln_validation_token_accuracy",
+        "Validation token accuracy (arg-max equals the target) of the job's newest evaluation.",
+        labels=labels,
+    )
+    step = GaugeMetricFamily(
+        "kiln_validation_global_step",
+        "Global step of the job's newest validation evaluation (0: the baseline).",
+        labels=labels,
+    )
+    for entry in latest:
+        key = [entry["job_id"], entry["adapter_name"]]
+        loss.add_metric(key, entry["loss"])
+        accuracy.add_metric(key, entry["token_accuracy"])
+        step.add_metric(key, entry["global_step"])
+    yield loss
+    yield accuracy
+    yield step

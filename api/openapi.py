@@ -331,6 +331,17 @@ REQUEST_CONSTRAINTS: dict[str, dict[str, dict]] = {
         "dataset_split": {"type": "null", "description": UNSUPPORTED},
         "post_eval": {"type": "null", "description": UNSUPPORTED},
     },
+    # Held-out validation rows (kiln_train.sft_config.ValidationSpec, docs/validation.md).
+    "ValidationSpec": {
+        "examples": _nullable({"type": "array", "minItems": 1, "items": {"type": "object"}}),
+        "dataset_path": _nullable(
+            {
+                "type": "string",
+                "pattern": NON_BLANK,
+                "maxLength": Admission.__table__.c.dataset_path.type.length,
+            }
+        ),
+    },
     "SftConfig": {
         "learning_rate": _nullable(F32_POSITIVE),
         "lora_alpha": F32_POSITIVE,
@@ -393,6 +404,16 @@ SFT_TRANSPORTS = {
 }
 
 
+# Exactly one validation source (ValidationSpec._one_source); interval_steps goes with any.
+VALIDATION_SOURCES = {
+    "oneOf": [
+        {"required": ["examples"], "properties": {"examples": {"type": "array"}}},
+        {"required": ["dataset_path"], "properties": {"dataset_path": {"type": "string"}}},
+        {"required": ["holdout_percent"], "properties": {"holdout_percent": {"type": "integer"}}},
+    ]
+}
+
+
 # The cross-field rules a schema can say (SftConfig._cross_field); alpha/rank <= 2 it cannot.
 SFT_CONFIG_RULES = {
     "allOf": [
@@ -436,6 +457,7 @@ def _constrain(components: dict) -> dict:
             kept = {k: v for k, v in properties[name].items() if k in ("title", "default", "description")}
             properties[name] = {**kept, **schema}
     components["SftRequest"].update(SFT_TRANSPORTS)
+    components["ValidationSpec"].update(VALIDATION_SOURCES)
     components["SftConfig"].update(SFT_CONFIG_RULES)
     components["HfSftExportRequest"].update(SFT_TRANSPORTS)
     components["HfExportConfig"].update(HF_EXPORT_CONFIG_RULES)

@@ -9,6 +9,7 @@ against the budget, and the largest LoRA rank that fits the same data.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -33,6 +34,25 @@ class PreflightMemory(_Out):
     estimate_bytes: int = Field(description="The step's working set with its safety margin.")
     available_bytes: int = Field(description="The budget admission plans against.")
     breakdown: dict[str, Any] = Field(description="Bytes per component (the 413's breakdown).")
+
+
+class PreflightValidation(_Out):
+    """The held-out validation rows a submission would evaluate (docs/validation.md)."""
+
+    source: str = Field(description="inline, dataset_path or holdout.")
+    holdout_percent: int | None
+    interval_steps: int | None = Field(description="Extra evaluations every N steps; null: none.")
+    rows_read: int = Field(description="Validation rows read (a holdout: the rows held out).")
+    rows_kept: int
+    rows_rejected: int
+    rejected_rows: list[PreflightRejectedRow]
+    max_seq_len: int
+    max_supervised_tokens: int
+    total_tokens: int
+    total_supervised_tokens: int
+    corpus_sha256: str
+    evaluations: int = Field(description="Evaluations the run makes: the baseline, epoch ends, intervals.")
+    memory: PreflightMemory = Field(description="The validation forward (no gradient) over the longest row.")
 
 
 class PreflightResponse(_Out):
@@ -60,6 +80,9 @@ class PreflightResponse(_Out):
     drawn: list[str] = Field(description="Defaults the submission draws itself (seed, output_name).")
     resume_checkpoint: str | None
     kept_corpus_sha256: str
+    validation: PreflightValidation | None = Field(
+        default=None, description="Held-out validation rows; null when the request has none."
+    )
 
 
 def preflight_sft(svc: Services, body: object) -> PreflightResponse:
@@ -113,7 +136,7 @@ def preflight_sft(svc: Services, body: object) -> PreflightResponse:
         total_tokens=ingestion.total_tokens,
         total_supervised_tokens=ingestion.total_supervised_tokens,
         memory=PreflightMemory(
-            estimate_bytes=segments.breakdown.total,
+            estimate_bytes=plan.memory_estimate_bytes,
             available_bytes=segments.available_bytes,
             breakdown=segments.breakdown.to_dict(),
         ),
@@ -124,4 +147,46 @@ def preflight_sft(svc: Services, body: object) -> PreflightResponse:
         drawn=drawn,
         resume_checkpoint=plan.resume.path.name if plan.resume else None,
         kept_corpus_sha256=receipt["kept_corpus_sha256"],
+        validation=_validation(plan, total_steps, rows),
+    )
+
+
+def evaluation_count(total_steps: int, rows: int, interval: int | None, start: int = 0) -> int:
+    """How many evaluations a run makes from step `start` (exclusive; the baseline when it starts at
+    0): every epoch's end (a multiple of `rows`) and every multiple of `interval`, each step once
+    (kiln_train.train.run.SftRun._evaluation_due)."""
+    epochs_left = total_steps // rows - start // rows
+    count = (1 if start == 0 else 0) + epochs_left
+    if interval:
+        both = interval * rows // math.gcd(interval, rows)
+        count += total_steps // interval - start // interval
+        count -= total_steps // both - start // both
+    return count
+
+
+def _validation(plan, total_steps: int, rows: int) -> PreflightValidation | None:
+    validation, forward = plan.validation, plan.validation_breakdown
+    if validation is None or forward is None:
+        return None
+    part = validation.part
+    start = plan.resume.manifest.progress.global_step if plan.resume else 0
+    return PreflightValidation(
+        source=part["source"],
+        holdout_percent=part.get("holdout_percent"),
+        interval_steps=validation.interval_steps,
+        rows_read=part["rows_read"],
+        rows_kept=part["rows_kept"],
+        rows_rejected=part["rows_rejected"],
+        rejected_rows=[PreflightRejectedRow(**r) for r in part["rejected_rows"]],
+        max_seq_len=validation.max_seq_len,
+        max_supervised_tokens=validation.max_supervised_tokens,
+        total_tokens=validation.total_tokens,
+        total_supervised_tokens=validation.supervised_tokens,
+        corpus_sha256=validation.corpus_sha256,
+        evaluations=evaluation_count(total_steps, rows, validation.interval_steps, start),
+        memory=PreflightMemory(
+            estimate_bytes=forward.total,
+            available_bytes=plan.segments.available_bytes,
+            breakdown=forward.to_dict(),
+        ),
     )

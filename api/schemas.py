@@ -47,6 +47,25 @@ class TrainingData(_Out):
     rows_rejected: int | None
 
 
+class ValidationSample(_Out):
+    """One evaluation of the job's held-out validation rows (docs/validation.md)."""
+
+    global_step: int = Field(
+        description="Optimizer steps taken when evaluated; 0 is the baseline (the base model)."
+    )
+    epoch: int = Field(description="Epochs completed when evaluated.")
+    progress: float
+    loss: float = Field(
+        description="Token-weighted mean next-token cross-entropy over the supervised targets."
+    )
+    token_accuracy: float = Field(
+        description="Share of supervised targets whose arg-max prediction is the target."
+    )
+    supervised_tokens: int
+    rows: int
+    elapsed_secs: float
+
+
 class TrainingStatus(_Out):
     job_id: str
     state: TrainingState
@@ -65,6 +84,10 @@ class TrainingStatus(_Out):
     queue_position: int | None
     global_step: int
     total_steps: int
+    validation_history: list[ValidationSample] = Field(
+        description="Every evaluation of the held-out validation rows so far (at most 1024, evenly "
+        "thinned, the last always kept); empty without validation."
+    )
 
 
 class LossSample(_Out):

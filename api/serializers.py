@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from api import schemas
-from kiln.store import Adapter, Admission, Job, JobEvent, Runner, TrainingStep, states
+from kiln.store import Adapter, Admission, Job, JobEvent, Runner, TrainingStep, ValidationEvaluation, states
 from kiln_train.artifacts.adapter import ADAPTER_MANIFEST, TRAIN_RECEIPT
 from kiln_train.checkpoint import CheckpointError, read_checkpoint_manifest
 from kiln_train.plan import formulas as memory_formulas
@@ -128,7 +128,41 @@ def training_data(summary: dict | None) -> schemas.TrainingData | None:
     )
 
 
-def _status_fields(job: Job, summary: dict | None, position: int | None, now: datetime) -> dict[str, Any]:
+def _thin(rows: list, limit: int) -> list:
+    """At most `limit` of `rows`, evenly spaced, the last always kept."""
+    if len(rows) <= limit:
+        return rows
+    stride = len(rows) / limit
+    return [*(rows[int(i * stride)] for i in range(limit - 1)), rows[-1]]
+
+
+def validation_samples(job: Job, evaluations: list[ValidationEvaluation]) -> list[schemas.ValidationSample]:
+    """The validation curve (thinned like the loss curve)."""
+    total = max(job.total_steps, 1)
+    return [
+        schemas.ValidationSample(
+            global_step=e.global_step,
+            epoch=e.epoch,
+            progress=min(1.0, e.global_step / total),
+            loss=e.loss,
+            token_accuracy=e.token_accuracy,
+            supervised_tokens=e.supervised_tokens,
+            rows=e.rows,
+            elapsed_secs=0.0
+            if job.started_at is None
+            else max(0.0, (e.evaluated_at - job.started_at).total_seconds()),
+        )
+        for e in _thin(evaluations, LOSS_HISTORY_MAX)
+    ]
+
+
+def _status_fields(
+    job: Job,
+    summary: dict | None,
+    position: int | None,
+    now: datetime,
+    evaluations: list[ValidationEvaluation] | None = None,
+) -> dict[str, Any]:
     if summary is not None:
         summary = {**summary, "rows_kept": job.rows_kept}
     error = job.error_message or (job.failure_reason if job.state == states.FAILED else None)
@@ -150,14 +184,20 @@ def _status_fields(job: Job, summary: dict | None, position: int | None, now: da
         "queue_position": position,
         "global_step": job.global_step,
         "total_steps": job.total_steps,
+        "validation_history": validation_samples(job, evaluations or []),
     }
 
 
 def training_status(
-    job: Job, summary: dict | None, position: int | None, now: datetime
+    job: Job,
+    summary: dict | None,
+    position: int | None,
+    now: datetime,
+    evaluations: list[ValidationEvaluation] | None = None,
 ) -> schemas.TrainingStatus:
-    """`now` is the store's clock (`store_now`), the one that stamped the job's times."""
-    return schemas.TrainingStatus(**_status_fields(job, summary, position, now))
+    """`now` is the store's clock (`store_now`), the one that stamped the job's times;
+    `evaluations` the job's validation curve (`kiln.store.validation_history`)."""
+    return schemas.TrainingStatus(**_status_fields(job, summary, position, now, evaluations))
 
 
 def training_response(job: Job, summary: dict, message: str) -> schemas.TrainingResponse:
@@ -177,10 +217,7 @@ def training_response(job: Job, summary: dict, message: str) -> schemas.Training
 
 def loss_samples(job: Job, steps: list[TrainingStep]) -> list[schemas.LossSample]:
     """The loss curve, thinned evenly to at most LOSS_HISTORY_MAX samples (the last always kept)."""
-    if len(steps) > LOSS_HISTORY_MAX:
-        stride = len(steps) / LOSS_HISTORY_MAX
-        picked = [steps[int(i * stride)] for i in range(LOSS_HISTORY_MAX - 1)]
-        steps = [*picked, steps[-1]]
+    steps = _thin(steps, LOSS_HISTORY_MAX)
     total = max(job.total_steps, 1)
     return [
         schemas.LossSample(
@@ -272,6 +309,8 @@ def replay_request(admission: Admission) -> dict[str, Any]:
         body["examples"] = admission.examples
     else:
         body["dataset_path"] = admission.dataset_path
+    if admission.validation is not None:
+        body["validation"] = admission.validation
     return body
 
 
@@ -284,6 +323,7 @@ def job_detail(
     latest: Path | None,
     adapters_dir: Path,
     now: datetime,
+    evaluations: list[ValidationEvaluation] | None = None,
 ) -> schemas.TrainingJobDetail:
     receipt, metadata_error = job.receipt, None
     if receipt is None and job.state == states.COMPLETED:
@@ -291,7 +331,7 @@ def job_detail(
     checkpoint, checkpoint_error = (None, None) if latest is None else checkpoint_summary(latest)
     config = admission.effective_config if admission is not None else {}
     return schemas.TrainingJobDetail(
-        **_status_fields(job, summary, position, now),
+        **_status_fields(job, summary, position, now, evaluations),
         epoch=job.current_epoch,
         adapter_path=job.adapter_path,
         auto_load=bool(config.get("auto_load", True)),

@@ -12,8 +12,11 @@
 --   v_failures_by_reason            failure_reason, jobs, last_seen
 --   v_throughput_by_rank_optimizer  lora_rank, optimizer_kind, jobs, steps, mean_step_ms, tokens_per_second
 --   v_queue                         queued jobs with their 1-based FIFO position
+-- View (created by the migration 0004_validation_evaluations):
+--   v_validation_curve              one row per held-out validation evaluation: job_id, adapter_name,
+--                                   global_step (0: the baseline), epoch, loss, token_accuracy, ...
 -- Tables: training_jobs, prepared_sft_admissions, job_events, training_steps, checkpoints,
--- adapters, runners.
+-- adapters, runners, validation_evaluations.
 
 -- name: failed_oom_last_week
 -- Which jobs failed because they ran out of memory since :since (e.g. one week ago), and how
@@ -107,3 +110,27 @@ SELECT a.name AS adapter_name, a.path, a.size_bytes, j.id AS job_id, j.optimizer
 FROM adapters a
 JOIN training_jobs j ON j.id = a.job_id
 WHERE a.name = :adapter_name AND a.deleted_at IS NULL;
+
+-- name: validation_curve
+-- What is the held-out validation curve of job :job_id, evaluation by evaluation (step 0 is the
+-- baseline: the base model, before the first update)?
+SELECT global_step, epoch, loss, token_accuracy, supervised_tokens, evaluated_at
+FROM v_validation_curve
+WHERE job_id = :job_id
+ORDER BY global_step;
+
+-- name: validation_by_job
+-- Did the adapter learn or only memorise? For each job with held-out validation: the baseline
+-- validation loss, the newest and the best one, and how many evaluations were made.
+SELECT
+    c.job_id,
+    c.adapter_name,
+    MIN(CASE WHEN c.global_step = 0 THEN c.loss END) AS baseline_loss,
+    (SELECT l.loss FROM v_validation_curve l WHERE l.job_id = c.job_id
+     ORDER BY l.global_step DESC LIMIT 1) AS latest_loss,
+    MIN(c.loss) AS best_loss,
+    MAX(c.global_step) AS latest_step,
+    COUNT(*) AS evaluations
+FROM v_validation_curve c
+GROUP BY c.job_id, c.adapter_name
+ORDER BY c.job_id;

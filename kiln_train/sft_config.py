@@ -39,6 +39,8 @@ U64_MAX = 2**64 - 1
 MAX_LORA_RANK = MAX_DIMENSION
 MAX_GRAD_CHECKPOINT_SEGMENTS = MAX_LAYERS
 MAX_NS_ITERS = 20
+# Held-out validation (docs/validation.md): a holdout takes 1..=50 percent of the submitted rows.
+MIN_HOLDOUT_PERCENT, MAX_HOLDOUT_PERCENT = 1, 50
 LR_WARNING_BAND = 50.0
 # Resolved learning rate for SFT when the request omits it (docs/optimizers.md#learning-rate).
 SFT_DEFAULT_LEARNING_RATE = {"muon": 1e-3, "adam_w": 1e-4, "sgd": 1e-4}
@@ -312,6 +314,36 @@ def draw_seed() -> int:
     return secrets.randbits(63)
 
 
+class ValidationSpec(BaseModel):
+    """`validation` of an SFT request: exactly one source of held-out rows, and how often to
+    evaluate them besides the baseline and every epoch's end (docs/validation.md)."""
+
+    model_config = _STRICT
+
+    examples: list[dict] | None = None
+    dataset_path: str | None = None
+    holdout_percent: int | None = Field(default=None, ge=MIN_HOLDOUT_PERCENT, le=MAX_HOLDOUT_PERCENT)
+    interval_steps: int | None = Field(default=None, ge=1, le=U64_MAX)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ValidationSpec:
+        given = [n for n in ("examples", "dataset_path", "holdout_percent") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError("exactly one of examples, dataset_path or holdout_percent is required")
+        if self.examples is not None and not self.examples:
+            raise ValueError("examples must contain at least one example")
+        if self.dataset_path is not None and not self.dataset_path.strip():
+            raise ValueError("dataset_path must not be blank")
+        return self
+
+    @property
+    def source(self) -> str:
+        """The validation part's `source`: `inline`, `dataset_path` or `holdout`."""
+        if self.examples is not None:
+            return "inline"
+        return "dataset_path" if self.dataset_path is not None else "holdout"
+
+
 class SftRequest(BaseModel):
     """Body of `POST /v1/train/sft`: exactly one data transport plus an optional config."""
 
@@ -322,6 +354,7 @@ class SftRequest(BaseModel):
     dataset: str | None = None
     dataset_split: Literal["train", "validation", "holdout"] | None = None
     config: SftConfig = Field(default_factory=SftConfig)
+    validation: ValidationSpec | None = None
     post_eval: dict | None = None
 
     @model_validator(mode="after")

@@ -11,6 +11,11 @@ exactly as the trainer does (`hidden_states` with the segment count, `sft_loss` 
   at the baseline: what the process really took from the machine, allocator slack included;
 - cuda: `torch.cuda.max_memory_allocated()` minus the allocated bytes at the baseline.
 
+A `validation` case prices one held-out validation forward (`forward_estimate`) instead: LoRA
+attached, the optimizer state allocated by one short step, then `evaluation.evaluate` on a row
+of T tokens without a gradient (docs/validation.md); on cpu the peak RSS is reset after the short
+step, so the measured peak is the forward's with the LoRA set and optimizer state resident.
+
 The estimate is priced with `weights_resident=True` (the budget is measured with the model
 loaded), so `estimate.total` is compared with the step's own working set. The contract for the
 estimate: never below the actual peak; at most 1.5x above it for T >= 1024.
@@ -47,6 +52,7 @@ class Case:
     segments: int
     route: str = "kt_tape_flce"
     supervised_fraction: float = 0.5
+    phase: str = "train"  # or "validation": one forward without a gradient (forward_estimate)
 
     @property
     def supervised(self) -> int:
@@ -72,6 +78,12 @@ def full_cases() -> list[Case]:
         Case(256, 16, "sgd", 1, route="full_logits"),
         Case(512, 16, "adam_w", 1, route="full_logits"),
     ]
+    for t in (1024, 2048, 4096):
+        cases.append(Case(t, 16, "adam_w", 1, phase="validation"))
+    cases += [
+        Case(2048, 64, "muon", 1, phase="validation", supervised_fraction=1.0),
+        Case(512, 16, "adam_w", 1, route="full_logits", phase="validation"),
+    ]
     return cases
 
 
@@ -81,6 +93,7 @@ def quick_cases() -> list[Case]:
         Case(2048, 8, "muon", 4),
         Case(1024, 64, "sgd", 2),
         Case(256, 16, "adam_w", 1, route="full_logits"),
+        Case(2048, 16, "adam_w", 1, phase="validation"),
     ]
 
 
@@ -154,6 +167,45 @@ def train_steps(model, case: Case, device, steps: int, seed: int = 0) -> None:
         lora.remove(model)
 
 
+def validation_forward(model, case: Case, device, seed: int = 0) -> None:
+    """One evaluation of a validation row as the trainer runs it (`evaluation.evaluate`), with the
+    LoRA set and the optimizer state of a run in progress resident."""
+    import torch
+
+    from kiln_train.data.ingestion import TokenizedRow
+    from kiln_train.model import attach_lora
+    from kiln_train.optim import build_optimizer
+    from kiln_train.train.evaluation import evaluate
+    from kiln_train.train.loss import sft_loss
+
+    lora = attach_lora(model, case.rank, float(2 * case.rank), seed)
+    named = lora.named_parameters()
+    optimizer = build_optimizer(case.optimizer, named, 1e-4)
+    try:
+        # One short step allocates the optimizer state the forward runs beside.
+        ids, labels = _make_row(16, 8, model.config.vocab_size, seed)
+        loss = sft_loss(
+            case.route, model.hidden_states(ids.to(device)), model.lm_head_weight, labels.to(device)
+        )
+        loss.backward()
+        optimizer.step({name: p.grad for name, p in named})
+        del loss
+        for _, p in named:
+            p.grad = None
+        _release_heap()
+        if device.type == "cpu":
+            _reset_hwm()
+        else:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)
+        ids, labels = _make_row(case.seq_len, case.supervised, model.config.vocab_size, seed + 1)
+        row = TokenizedRow(1, "sha256:" + "0" * 64, ids[0].tolist(), labels.tolist(), case.supervised)
+        evaluate(model, [row], route=case.route, device=device, global_step=1, epoch=0)
+    finally:
+        del optimizer
+        lora.remove(model)
+
+
 def warm_up(model, device) -> None:
     """What the resident worker does once at start: one 16-token checkpointed step.
 
@@ -185,7 +237,10 @@ def run_child(model_dir: str, device_name: str, case: Case) -> dict:
     else:
         base = _rss_bytes()
         _reset_hwm()
-    train_steps(model, case, device, steps=2)
+    if case.phase == "validation":
+        validation_forward(model, case, device)
+    else:
+        train_steps(model, case, device, steps=2)
     if device.type == "cuda":
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(device)
@@ -200,8 +255,19 @@ def run_child(model_dir: str, device_name: str, case: Case) -> dict:
 def estimate_case(model_dir: str, device_name: str, case: Case):
     from kiln_train.model.config import load_config
     from kiln_train.plan.backend import backend_for_device
-    from kiln_train.plan.memory import estimate
+    from kiln_train.plan.memory import estimate, forward_estimate
 
+    if case.phase == "validation":
+        return forward_estimate(
+            load_config(model_dir),
+            max_seq_len=case.seq_len,
+            max_supervised_tokens=case.supervised,
+            lora_rank=case.rank,
+            optimizer_kind=case.optimizer,
+            loss_route=case.route,
+            backend=backend_for_device(device_name),
+            weights_resident=True,
+        )
     return estimate(
         load_config(model_dir),
         max_seq_len=case.seq_len,
@@ -228,7 +294,7 @@ def measure(model_dir: str, device_name: str, case: Case) -> int:
 def run_table(model_dir: str, device_name: str, cases: list[Case]) -> list[dict]:
     rows = []
     print(
-        f"{'T':>6} {'A':>6} {'rank':>5} {'optimizer':>9} {'seg':>4} {'route':>13} "
+        f"{'T':>6} {'A':>6} {'rank':>5} {'optimizer':>9} {'seg':>4} {'route':>13} {'phase':>10} "
         f"{'estimate MiB':>13} {'actual MiB':>11} {'est/act':>8}",
         flush=True,
     )
@@ -242,7 +308,7 @@ def run_table(model_dir: str, device_name: str, cases: list[Case]) -> list[dict]
         flag = "  UNDER" if est < act else ""
         print(
             f"{case.seq_len:>6} {case.supervised:>6} {case.rank:>5} {case.optimizer:>9} {case.segments:>4} "
-            f"{case.route:>13} {est / MIB:>13.1f} {act / MIB:>11.1f} {ratio:>8.2f}{flag}",
+            f"{case.route:>13} {case.phase:>10} {est / MIB:>13.1f} {act / MIB:>11.1f} {ratio:>8.2f}{flag}",
             flush=True,
         )
     return rows

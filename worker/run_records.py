@@ -1,5 +1,5 @@
-"""What a run writes to the job store while it holds its claim: each step, each published
-checkpoint, its events, and its outcome (completed with its adapter, failed with a reason, or
+"""What a run writes to the job store while it holds its claim: each step, each validation
+evaluation, each published checkpoint, its events, and its outcome (completed with its adapter, failed with a reason, or
 released at a checkpoint when the worker shuts down).
 
 `RunRecording` is a part of `worker.runtime.WorkerRuntime`, kept here so each file holds one
@@ -22,6 +22,7 @@ from kiln_train.artifacts.adapter import ADAPTER_MODEL
 from kiln_train.artifacts.digest import file_digest
 from kiln_train.artifacts.fencing import take_back
 from kiln_train.errors import OwnershipLost
+from kiln_train.train.evaluation import Evaluation
 from kiln_train.train.result import StepReport, TrainResult
 from worker.verify import PinnedJob
 
@@ -77,6 +78,50 @@ class RunRecording:
             raise
         if cancel:
             run.cancel.set()
+
+    def _on_evaluation(self, job_id: str, evaluation: Evaluation) -> None:
+        """Record one validation evaluation (a `validation_evaluations` row and its event) under
+        this run's claim, before the step's checkpoint is published; a superseded claim raises
+        `LeaseLost` and records nothing."""
+        run = self._run_of(job_id)
+        if run.lease_lost.is_set():
+            raise store.LeaseLost(job_id, self.worker_id)
+        lease = self.settings.training.lease_seconds
+        record = evaluation.to_json()
+
+        def write(s: Session, retried: bool) -> None:
+            if retried and store.evaluation_recorded(s, job_id, evaluation.global_step):
+                return
+            store.record_evaluation(
+                s,
+                job_id,
+                self.worker_id,
+                **record,
+                supervised_tokens=evaluation.supervised_tokens,
+                rows=evaluation.rows,
+                attempt=run.attempt,
+            )
+            store.renew_lease(s, job_id, self.worker_id, lease, attempt=run.attempt)
+            what = (
+                "baseline (base model)" if evaluation.global_step == 0 else f"step {evaluation.global_step}"
+            )
+            store.append_event(
+                s,
+                job_id,
+                states.EVENT_VALIDATION_EVALUATED,
+                f"validation at {what}: loss {evaluation.loss:.4f}, token accuracy "
+                f"{evaluation.token_accuracy:.4f}",
+                data={**record, "supervised_tokens": evaluation.supervised_tokens, "rows": evaluation.rows},
+            )
+
+        try:
+            self.transact(write)
+        except store.LeaseLost:
+            run.lease_lost.set()
+            raise
+        except STORE_UNREACHABLE as exc:
+            run.store_error = exc
+            raise
 
     def _on_checkpoint(self, job_id: str, record: dict) -> None:
         """A checkpoint was published (its step is already recorded): record it under this run's

@@ -389,6 +389,8 @@ class WorkerRuntime(RunRecording):
                 on_checkpoint=lambda record: self._on_checkpoint(pinned.job_id, record),
                 run_id=pinned.job_id[:8] + "-" + uuid.uuid4().hex[:6],
                 fence=self._run_of(pinned.job_id).fence,
+                validation=work.validation,
+                on_evaluation=lambda evaluation: self._on_evaluation(pinned.job_id, evaluation),
             )
         )
 

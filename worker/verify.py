@@ -19,10 +19,11 @@ from kiln.settings import Settings
 from kiln_train import checkpoint as ckpt
 from kiln_train.artifacts.digest import json_sha256
 from kiln_train.data.ingestion import IngestionResult, ingest_examples, ingest_jsonl, resolve_dataset_path
+from kiln_train.data.validation import ValidationSet, prepare_validation
 from kiln_train.errors import KilnError
 from kiln_train.model.resident import ResidentModel
 from kiln_train.plan.optimizer_support import check_optimizer_tuple
-from kiln_train.sft_config import SftConfig, parse_sft_config
+from kiln_train.sft_config import SftConfig, ValidationSpec, parse_sft_config
 
 PLAN_DRIFT = "plan_drift"
 PLAN_DRIFT_CODE = "training_plan_drift"
@@ -57,6 +58,7 @@ class PinnedJob:
     memory_estimate_bytes: int
     recorded_checkpoints: dict  # basename -> manifest sha256 (from the job's checkpoints rows)
     total_steps: int = 0
+    validation: dict | None = None  # the request's `validation` as admitted (docs/validation.md)
 
 
 # PinnedJob fields copied unchanged from the job row and from its admission row.
@@ -69,6 +71,7 @@ PINNED_ADMISSION_COLUMNS = (
     "data_source",
     "examples",
     "dataset_path",
+    "validation",
 )
 
 
@@ -95,6 +98,7 @@ class VerifiedWork:
     ingestion: IngestionResult
     resume_path: Path | None
     checkpoint_plan: dict
+    validation: ValidationSet | None = None
 
 
 def verify_plan(pinned: PinnedJob, resident: ResidentModel, settings: Settings) -> VerifiedWork:
@@ -126,15 +130,32 @@ def verify_plan(pinned: PinnedJob, resident: ResidentModel, settings: Settings) 
         )
     if config.learning_rate is None:
         raise PlanDrift("learning_rate", "the pinned effective config has no resolved learning rate")
-    resume = _verify_resume(pinned, config, settings)
-    ingestion = _reingest(pinned, resident, settings, config.invalid_row_policy)
-    return VerifiedWork(config, ingestion, resume, dict(pinned.checkpoint_plan))
+    resume, manifest = _verify_resume(pinned, config, settings)
+    ingestion, validation = _reingest(pinned, resident, settings, config)
+    if manifest is not None:
+        _verify_resume_validation(manifest, validation)
+    return VerifiedWork(config, ingestion, resume, dict(pinned.checkpoint_plan), validation)
 
 
-def _verify_resume(pinned: PinnedJob, config: SftConfig, settings: Settings) -> Path | None:
+def _verify_resume_validation(manifest: ckpt.CheckpointManifest, validation: ValidationSet | None) -> None:
+    """The checkpoint's held-out validation corpus and schedule must be this job's (a resume
+    continues its evaluation history only over the same rows)."""
+    recorded = manifest.auxiliary_state.get(ckpt.VALIDATION_AUX_KEY)
+    ours = validation.identity() if validation is not None else None
+    if recorded != ours:
+        raise PlanDrift(
+            "resume_checkpoint",
+            f"the checkpoint records validation {recorded!r} but the job evaluates {ours!r}; a resume "
+            "continues the evaluation history only over the same validation corpus and schedule",
+        )
+
+
+def _verify_resume(
+    pinned: PinnedJob, config: SftConfig, settings: Settings
+) -> tuple[Path | None, ckpt.CheckpointManifest | None]:
     name = pinned.resume_checkpoint
     if name is None:
-        return None
+        return None, None
     path = settings.adapters_dir / name
     try:
         loaded = ckpt.load_checkpoint(path, verify_hashes=True)
@@ -159,10 +180,13 @@ def _verify_resume(pinned: PinnedJob, config: SftConfig, settings: Settings) -> 
                 raise PlanDrift("seed", f"checkpoint seed {loaded.manifest.seed} differs from {config.seed}")
     except KilnError as exc:
         raise PlanDrift("resume_checkpoint", exc.message) from None
-    return path
+    return path, loaded.manifest
 
 
-def _reingest(pinned: PinnedJob, resident: ResidentModel, settings: Settings, policy: str) -> IngestionResult:
+def _reingest(
+    pinned: PinnedJob, resident: ResidentModel, settings: Settings, config: SftConfig
+) -> tuple[IngestionResult, ValidationSet | None]:
+    policy = config.invalid_row_policy
     common = {"tokenizer": resident.tokenizer, "template": resident.template, "policy": policy}
     try:
         if pinned.data_source == "examples":
@@ -172,6 +196,14 @@ def _reingest(pinned: PinnedJob, resident: ResidentModel, settings: Settings, po
             ingestion = ingest_jsonl(path, source_locator=pinned.dataset_path, **common)
     except KilnError as exc:
         raise PlanDrift("data", f"re-ingestion failed: {exc.message}") from None
+    try:
+        spec = ValidationSpec.model_validate(pinned.validation) if pinned.validation is not None else None
+        ingestion, validation = prepare_validation(
+            spec, ingestion, **common, seed=config.seed, datasets_root=settings.datasets_dir
+        )
+    except (KilnError, ValueError) as exc:
+        message = exc.message if isinstance(exc, KilnError) else str(exc)
+        raise PlanDrift("validation", f"re-deriving the validation rows failed: {message}") from None
     if ingestion.receipt["kept_corpus_sha256"] != pinned.kept_corpus_sha256:
         raise PlanDrift(
             "data.kept_corpus_sha256",
@@ -184,4 +216,4 @@ def _reingest(pinned: PinnedJob, resident: ResidentModel, settings: Settings, po
             "data.ingestion_receipt_sha256",
             f"re-ingestion produced receipt {digest}, admission pinned {pinned.ingestion_receipt_sha256}",
         )
-    return ingestion
+    return ingestion, validation

@@ -24,6 +24,8 @@ from kiln.store import (
     require_job,
     states,
     store_now,
+    validation_histories,
+    validation_history,
 )
 from kiln.store.errors import TRAINING_JOB_NOT_FOUND
 from kiln.store.events import MAX_EVENT_PAGE
@@ -46,13 +48,14 @@ def list_status() -> Response:
     with services().sessions() as session:
         jobs = list_jobs(session)
         summaries = admission_summaries(session, [j.id for j in jobs])
+        curves = validation_histories(session, [j.id for j in jobs])
         # Positions come from the same read as the jobs (admission order): a second query could see
         # a job claimed, cancelled or admitted meanwhile (Postgres reads each statement afresh) and
         # give a queued job no position, or positions with a gap.
         now = store_now(session)
     positions = queue_positions_of(jobs)
     return json_list_response(
-        [training_status(j, summaries.get(j.id), positions.get(j.id), now) for j in jobs]
+        [training_status(j, summaries.get(j.id), positions.get(j.id), now, curves.get(j.id)) for j in jobs]
     )
 
 
@@ -65,8 +68,9 @@ def job_status(job_id: str) -> Response:
             raise KilnError(TRAINING_JOB_NOT_FOUND, f"no training job {job_id!r}")
         job, summary = found
         position = queue_position_of(session, job)
+        evaluations = validation_history(session, job_id)
         now = store_now(session)
-    return json_response(training_status(job, summary, position, now))
+    return json_response(training_status(job, summary, position, now, evaluations))
 
 
 @bp.get("/v1/train/jobs/<job_id>")
@@ -79,12 +83,15 @@ def job_detail_view(job_id: str) -> Response:
         summary = admission_summaries(session, [job_id]).get(job_id)
         position = queue_position_of(session, job)
         steps = loss_history(session, job_id)
+        evaluations = validation_history(session, job_id)
         checkpoint = latest_checkpoint(session, job_id)
         now = store_now(session)
     latest = Path(checkpoint.path) if checkpoint is not None else None
     if latest is None and job.latest_checkpoint:
         latest = svc.settings.adapters_dir / job.latest_checkpoint
-    detail = job_detail(job, admission, summary, position, steps, latest, svc.settings.adapters_dir, now)
+    detail = job_detail(
+        job, admission, summary, position, steps, latest, svc.settings.adapters_dir, now, evaluations
+    )
     return json_response(detail)
 
 

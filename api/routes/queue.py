@@ -11,7 +11,7 @@ from api import schemas
 from api.http import json_response, services
 from api.queries import admission_summaries
 from api.serializers import training_status
-from kiln.store import CANCELLED, list_jobs, request_cancel, states, store_now
+from kiln.store import CANCELLED, list_jobs, request_cancel, states, store_now, validation_histories
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +33,13 @@ def queue_view() -> Response:
         running = [j for j in jobs if j.state == states.RUNNING]
         finished = [j for j in jobs if j.state in states.TERMINAL_STATES]
         summaries = admission_summaries(session, [j.id for j in (*running, *finished)])
+        curves = validation_histories(session, [j.id for j in (*running, *finished)])
     queued = [j for j in jobs if j.state == states.QUEUED]
     # Most recently finished first, ties newest admission first (as api.queries.terminal_jobs).
     finished.sort(
         key=lambda j: (j.finished_at is not None, j.finished_at or _NEVER, j.queue_seq), reverse=True
     )
-    running_out = [training_status(j, summaries.get(j.id), None, now) for j in running]
+    running_out = [training_status(j, summaries.get(j.id), None, now, curves.get(j.id)) for j in running]
     return json_response(
         schemas.QueueResponse(
             running=running_out[0] if running_out else None,
@@ -47,7 +48,9 @@ def queue_view() -> Response:
                 schemas.QueuedEntry(job_id=j.id, job_type=j.job_type, adapter_name=j.adapter_name, position=i)
                 for i, j in enumerate(queued, start=1)
             ],
-            completed=[training_status(j, summaries.get(j.id), None, now) for j in finished],
+            completed=[
+                training_status(j, summaries.get(j.id), None, now, curves.get(j.id)) for j in finished
+            ],
         )
     )
 

@@ -50,6 +50,7 @@ from kiln.cli.sft_submit import (
     read_examples,
     read_smoke_prompts,
     sft_config,
+    validation_body,
     wait_for_job,
 )
 from kiln_train.sft_config import OPTIMIZER_KINDS
@@ -135,6 +136,22 @@ SFT_CONFIG_OPTIONS = (
     type=click.Path(dir_okay=False, path_type=Path),
     help="Canary prompts: a JSON string array, or the file as one prompt.",
 )
+@click.option(
+    "--validation-data",
+    metavar="FILE.jsonl",
+    help="Held-out conversations, evaluated (never trained on) before the first update, at every "
+    "epoch's end and every --validation-interval steps; sent inline, or with --dataset-path as a "
+    "server-local validation dataset_path.",
+)
+@click.option(
+    "--holdout-percent",
+    type=int,
+    metavar="P",
+    help="Hold out P percent (1..50) of --data's rows as validation rows (a split seeded by the run's seed).",
+)
+@click.option(
+    "--validation-interval", type=int, metavar="N", help="Also evaluate the validation rows every N steps."
+)
 @click.option("--idempotency-key", metavar="KEY", help="Resubmitting with the same key never double-admits.")
 @click.option(
     "--dry-run",
@@ -150,6 +167,9 @@ def train_sft(
     data: str,
     as_dataset_path: bool,
     adapter_smoke_prompts_file: Path | None,
+    validation_data: str | None,
+    holdout_percent: int | None,
+    validation_interval: int | None,
     idempotency_key: str | None,
     dry_run: bool,
     no_wait: bool,
@@ -168,7 +188,18 @@ def train_sft(
     else:
         examples, lines = read_examples(Path(data), options.get("invalid_row_policy"))
         body = {"examples": examples, "config": config}
-    with rows_named_in_errors(lines, Path(data)):
+    validation, validation_lines = validation_body(
+        validation_data,
+        holdout_percent,
+        validation_interval,
+        as_dataset_path=as_dataset_path,
+        policy=options.get("invalid_row_policy"),
+    )
+    if validation is not None:
+        body["validation"] = validation
+    with rows_named_in_errors(
+        lines, Path(data), validation_lines, Path(validation_data) if validation_data else None
+    ):
         if dry_run:
             show_preflight(client, body, as_json)
             return
@@ -187,12 +218,14 @@ def register_train(train: click.Group) -> None:
 
 
 @contextmanager
-def rows_named_in_errors(lines: list[int], data: Path) -> Iterator[None]:
+def rows_named_in_errors(
+    lines: list[int], data: Path, validation_lines: list[int] | None = None, validation: Path | None = None
+) -> Iterator[None]:
     """An error envelope that names row indexes gets the local file's line numbers added."""
     try:
         yield
     except ApiError as err:
-        annotate_rows(err, lines, data)
+        annotate_rows(err, lines, data, validation_lines, validation)
         raise
 
 

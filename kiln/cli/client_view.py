@@ -97,6 +97,7 @@ class ProgressLine:
         self.last_state: str | None = None
         self.last_moved = ""
         self.last_printed = 0.0
+        self.evaluations_shown: set[int] = set()  # global steps whose validation line was printed
 
     def render(self, status: dict) -> tuple[str, str]:
         """(what changed, the line): the first part leaves out the clock, so a log gets a new
@@ -113,11 +114,24 @@ class ProgressLine:
         if epoch is not None:
             parts.append(f"epoch {epoch[0]}/{epoch[1]}")
         parts.append(f"loss {format_loss(status.get('current_loss'))}")
+        history = status.get("validation_history") or []
+        if history:
+            parts.append(f"val {format_loss(history[-1].get('loss'))}")
         moved = "  ".join(parts)
         clock = format_seconds(status.get("elapsed_secs"))
         return moved, f"{moved}  {clock}" + ("" if state == "running" else f"  {state}")
 
     def show(self, status: dict) -> None:
+        for evaluation in status.get("validation_history") or []:
+            step = evaluation.get("global_step")
+            if step in self.evaluations_shown:
+                continue
+            self.evaluations_shown.add(step)
+            text = validation_line(evaluation)
+            if self.live:
+                text = "\r" + text + " " * max(0, self.width - len(text))
+                self.width = 0
+            click.echo(text, err=True)
         moved, line = self.render(status)
         if self.live:
             padding = " " * max(0, self.width - len(line))
@@ -136,6 +150,16 @@ class ProgressLine:
         if self.live and self.width:
             click.echo("", err=True)
             self.width = 0
+
+
+def validation_line(evaluation: dict) -> str:
+    """One evaluation of the held-out validation rows, as the progress prints it."""
+    step = evaluation.get("global_step")
+    where = "baseline (base model)" if step == 0 else f"step {step}, epoch {evaluation.get('epoch')}"
+    accuracy = evaluation.get("token_accuracy")
+    return f"validation at {where}: loss {format_loss(evaluation.get('loss'))}, token accuracy " + (
+        "-" if accuracy is None else f"{accuracy:.4f}"
+    )
 
 
 # ----- admissions, jobs, receipts -----------------------------------------------------------
@@ -191,6 +215,32 @@ def describe_preflight(plan: dict) -> None:
     )
     for row in plan.get("rejected_rows") or []:
         click.echo(f"  rejected row {row['row_index']} ({row['row_sha256']}): {row['reason']}")
+    validation = plan.get("validation")
+    if validation:
+        source = validation["source"]
+        if source == "holdout":
+            source = f"holdout {validation.get('holdout_percent')}% of the submitted rows"
+        echo_pairs(
+            [
+                (
+                    "validation",
+                    f"{source}: {validation['rows_kept']} row(s) kept, {validation['rows_rejected']} rejected, "
+                    f"{validation['total_supervised_tokens']} supervised token(s)",
+                ),
+                (
+                    "evaluations",
+                    f"{validation['evaluations']}"
+                    + (
+                        f" (every {validation['interval_steps']} step(s) and every epoch's end)"
+                        if validation.get("interval_steps")
+                        else " (the baseline and every epoch's end)"
+                    ),
+                ),
+                ("validation memory", format_bytes(validation["memory"]["estimate_bytes"])),
+            ]
+        )
+        for row in validation.get("rejected_rows") or []:
+            click.echo(f"  rejected validation row {row['row_index']} ({row['row_sha256']}): {row['reason']}")
 
 
 def receipt_summary(detail: dict) -> list[tuple[str, str]]:
@@ -218,9 +268,24 @@ def receipt_summary(detail: dict) -> list[tuple[str, str]]:
         ("supervised tokens", str(tokens.get("action_tokens", "-"))),
         ("canary", canary_summary(receipt.get("adapter_smoke_test"))),
     ]
+    validation = receipt.get("validation")
+    if isinstance(validation, dict) and validation.get("evaluations"):
+        pairs.append(("validation", validation_summary(validation["evaluations"], validation.get("best"))))
     if receipt.get("failure_reason"):
         pairs.insert(1, ("failure reason", str(receipt["failure_reason"])))
     return pairs
+
+
+def validation_summary(evaluations: list[dict], best: dict | None = None) -> str:
+    """First and last validation loss and token accuracy, and the best evaluation."""
+    first, last = evaluations[0], evaluations[-1]
+    text = (
+        f"loss {format_loss(first.get('loss'))} -> {format_loss(last.get('loss'))}, token accuracy "
+        f"{first.get('token_accuracy', 0):.4f} -> {last.get('token_accuracy', 0):.4f}"
+    )
+    if best:
+        text += f", best {format_loss(best.get('loss'))} at step {best.get('global_step')}"
+    return text + f" ({len(evaluations)} evaluation(s))"
 
 
 def canary_summary(smoke: Any) -> str:
@@ -328,6 +393,10 @@ def job_pairs(detail: dict) -> list[tuple[str, str]]:
         )
     elif detail.get("checkpoint_error"):
         pairs.append(("checkpoint", f"unreadable: {detail['checkpoint_error']}"))
+    evaluations = detail.get("validation_history") or []
+    if evaluations:
+        best = min(evaluations, key=lambda e: e["loss"])
+        pairs.append(("validation curve", validation_summary(evaluations, best)))
     losses = [p["loss"] for p in detail.get("loss_history") or []]
     if losses:
         pairs.append(

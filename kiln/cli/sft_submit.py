@@ -66,13 +66,13 @@ def sft_config(options: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def read_examples(path: Path, policy: str | None) -> tuple[list[dict], list[int]]:
+def read_examples(path: Path, policy: str | None, flag: str = "--data") -> tuple[list[dict], list[int]]:
     """The JSONL file's rows as parsed objects, and each row's line number. A line that is not a
     JSON object cannot travel inline (the server's skip policy needs the raw line to hash it)."""
     try:
         raw = path.read_bytes()
     except OSError as exc:
-        raise InputError(f"--data {path}: {exc.strerror or exc}") from None
+        raise InputError(f"{flag} {path}: {exc.strerror or exc}") from None
     rows: list[dict] = []
     lines: list[int] = []
     bad: list[str] = []
@@ -150,15 +150,25 @@ def read_smoke_prompts(path: Path) -> list[str]:
     return [text.rstrip("\r\n")]
 
 
-def annotate_rows(err: ApiError, lines: list[int], path: Path) -> None:
-    """Name the file line behind a row the server refers to (`examples[i]`, `SFT row n`)."""
+def annotate_rows(
+    err: ApiError,
+    lines: list[int],
+    path: Path,
+    validation_lines: list[int] | None = None,
+    validation_path: Path | None = None,
+) -> None:
+    """Name the file line behind a row the server refers to (`examples[i]`, `SFT row n`, and for
+    held-out rows sent with --validation-data `validation.examples[i]`, `SFT validation row n`)."""
     err.notes.extend(row_notes(err.message, lines, path))
+    if validation_lines and validation_path is not None:
+        err.notes.extend(validation_row_notes(err.message, validation_lines, validation_path))
 
 
 def row_notes(message: str, lines: list[int], path: Path) -> list[str]:
-    """`examples[i] is line L of FILE` / `SFT row n is line L of FILE` for each row `message` names."""
+    """`examples[i] is line L of FILE` / `SFT row n is line L of FILE` for each row `message` names
+    (a held-out row, `validation.examples[i]`, is not a training row)."""
     notes = []
-    for match in re.finditer(r"examples\[(\d+)\]", message):
+    for match in re.finditer(r"(?<!validation\.)examples\[(\d+)\]", message):
         index = int(match.group(1))
         if index < len(lines):
             notes.append(f"examples[{index}] is line {lines[index]} of {path}")
@@ -167,6 +177,50 @@ def row_notes(message: str, lines: list[int], path: Path) -> list[str]:
         if 1 <= row <= len(lines):
             notes.append(f"SFT row {row} is line {lines[row - 1]} of {path}")
     return notes
+
+
+def validation_row_notes(message: str, lines: list[int], path: Path) -> list[str]:
+    """The same for the held-out rows of --validation-data: `validation.examples[i]` and
+    `SFT validation row n`."""
+    notes = []
+    for match in re.finditer(r"validation\.examples\[(\d+)\]", message):
+        index = int(match.group(1))
+        if index < len(lines):
+            notes.append(f"validation.examples[{index}] is line {lines[index]} of {path}")
+    for match in re.finditer(r"SFT validation row (\d+)", message):
+        row = int(match.group(1))
+        if 1 <= row <= len(lines):
+            notes.append(f"SFT validation row {row} is line {lines[row - 1]} of {path}")
+    return notes
+
+
+def validation_body(
+    validation_data: str | None,
+    holdout_percent: int | None,
+    interval: int | None,
+    *,
+    as_dataset_path: bool,
+    policy: str | None,
+) -> tuple[dict[str, Any] | None, list[int]]:
+    """The request's `validation` from --validation-data / --holdout-percent /
+    --validation-interval (None without either), and the validation file's row lines."""
+    if validation_data is not None and holdout_percent is not None:
+        raise click.UsageError("give --validation-data or --holdout-percent, not both")
+    if validation_data is None and holdout_percent is None:
+        if interval is not None:
+            raise click.UsageError("--validation-interval needs --validation-data or --holdout-percent")
+        return None, []
+    lines: list[int] = []
+    if holdout_percent is not None:
+        body: dict[str, Any] = {"holdout_percent": holdout_percent}
+    elif as_dataset_path:
+        body = {"dataset_path": validation_data}
+    else:
+        examples, lines = read_examples(Path(validation_data), policy, "--validation-data")
+        body = {"examples": examples}
+    if interval is not None:
+        body["interval_steps"] = interval
+    return body, lines
 
 
 def wait_for_job(client: ApiClient, admission: dict, interval: float) -> dict:

@@ -65,6 +65,7 @@ from kiln.store.models import (
     Runner,
     TrainingStep,
     UtcDateTime,
+    ValidationEvaluation,
     store_now,
     utcnow,
 )
@@ -82,6 +83,13 @@ from kiln.store.reconcile import (
     unpublished_jobs,
 )
 from kiln.store.runners import get_runner, heartbeat_runner, live_runner, register_runner, stop_runner
+from kiln.store.validation import (
+    evaluation_recorded,
+    latest_evaluations,
+    record_evaluation,
+    validation_histories,
+    validation_history,
+)
 
 __all__ = [
     "CANCELLED",
@@ -99,6 +107,7 @@ __all__ = [
     "StoreError",
     "TrainingStep",
     "UtcDateTime",
+    "ValidationEvaluation",
     "append_event",
     "checkpoint_owner",
     "claim_job",
@@ -162,4 +171,9 @@ __all__ = [
     "unpublished_jobs",
     "upgrade_database",
     "utcnow",
+    "evaluation_recorded",
+    "latest_evaluations",
+    "record_evaluation",
+    "validation_histories",
+    "validation_history",
 ]

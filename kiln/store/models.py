@@ -220,6 +220,8 @@ class Admission(Base):
     max_seq_len: Mapped[int] = mapped_column(Integer)
     max_supervised_tokens: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime]
+    # The request's `validation` object as admitted (docs/validation.md); NULL without validation.
+    validation: Mapped[dict[str, Any] | None]
 
     job: Mapped[Job] = relationship(back_populates="admission")
 
@@ -256,6 +258,22 @@ class TrainingStep(Base):
     tokens: Mapped[int] = mapped_column(Integer)
     supervised_tokens: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime]
+
+
+class ValidationEvaluation(Base):
+    """One evaluation of a job's held-out validation rows (`validation_evaluations`): the
+    validation curve. Global step 0 is the baseline, evaluated before the first update."""
+
+    __tablename__ = "validation_evaluations"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("training_jobs.id", ondelete="CASCADE"), primary_key=True)
+    global_step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    epoch: Mapped[int] = mapped_column(Integer)
+    loss: Mapped[float] = mapped_column(Float)
+    token_accuracy: Mapped[float] = mapped_column(Float)
+    supervised_tokens: Mapped[int] = mapped_column(Integer)
+    rows: Mapped[int] = mapped_column(Integer)
+    evaluated_at: Mapped[datetime]
 
 
 class Checkpoint(Base):

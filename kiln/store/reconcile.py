@@ -20,7 +20,7 @@ from kiln.store.artifacts import get_checkpoint, register_adapter
 from kiln.store.errors import InvalidTransition
 from kiln.store.events import append_event
 from kiln.store.jobs import get_job
-from kiln.store.models import Checkpoint, Job, JobEvent, Runner, TrainingStep, store_now
+from kiln.store.models import Checkpoint, Job, JobEvent, Runner, TrainingStep, ValidationEvaluation, store_now
 
 
 def unpublished_jobs(session: Session, older_than: datetime) -> list[Job]:
@@ -152,9 +152,9 @@ def _announce_requeue(session: Session, job_id: str, message: str, data: dict) -
 
 def requeue_for_resume(session: Session, job_id: str, checkpoint: str, now: datetime | None = None) -> Job:
     """Put a job whose lease expired back in the queue, to resume from `checkpoint` (a basename
-    from the job's `checkpoints` rows). Steps and checkpoints recorded after that checkpoint are
-    dropped (the resumed run records them again); the job gets a new place at the back of the queue and is
-    unpublished until the reconciler republishes it. A job with a cancel request is not
+    from the job's `checkpoints` rows). Steps, validation evaluations and checkpoints recorded
+    after that checkpoint are dropped (the resumed run records them again); the job gets a new
+    place at the back of the queue and is unpublished until the reconciler republishes it. A job with a cancel request is not
     resumed (fail it with `fail_worker_lost`)."""
     now = now or store_now(session)
     row = get_checkpoint(session, job_id, checkpoint)
@@ -170,11 +170,12 @@ def requeue_for_resume(session: Session, job_id: str, checkpoint: str, now: date
         global_step=row.global_step,
         current_epoch=row.epoch_index,
     )
-    session.execute(
-        delete(TrainingStep)
-        .where(TrainingStep.job_id == job_id, TrainingStep.global_step > row.global_step)
-        .execution_options(synchronize_session=False)
-    )
+    for table in (TrainingStep, ValidationEvaluation):
+        session.execute(
+            delete(table)
+            .where(table.job_id == job_id, table.global_step > row.global_step)
+            .execution_options(synchronize_session=False)
+        )
     session.execute(
         delete(Checkpoint)
         .where(Checkpoint.job_id == job_id, Checkpoint.global_step > row.global_step)
@@ -199,7 +200,7 @@ def requeue_for_restart(
 ) -> Job:
     """Put a job whose lease expired back in the queue to run again from where it first started:
     step 0, or the checkpoint its submission resumed (`resume_checkpoint`, at `start_step`). Its
-    seed and plan are pinned, so the run computes the same bits. Every step and checkpoint row is
+    seed and plan are pinned, so the run computes the same bits. Every step, evaluation and checkpoint row is
     dropped (the new attempt records them again)."""
     now = now or store_now(session)
     _requeue_expired(
@@ -213,7 +214,7 @@ def requeue_for_restart(
         current_epoch=None,
         current_loss=None,
     )
-    for table in (TrainingStep, Checkpoint):
+    for table in (TrainingStep, ValidationEvaluation, Checkpoint):
         session.execute(
             delete(table).where(table.job_id == job_id).execution_options(synchronize_session=False)
         )

@@ -66,6 +66,7 @@ class RunFacts:
     lora_grad_norms: list[dict] = field(default_factory=list)
     adapter_smoke_test: dict | None = None
     phase_timings: dict = field(default_factory=dict)
+    validation: dict | None = None  # kiln.sft-validation.v1 (docs/validation.md); None without validation
 
 
 def build_receipt(
@@ -106,6 +107,10 @@ def build_receipt(
     )
     if facts.adapter_smoke_test is not None:
         receipt["adapter_smoke_test"] = facts.adapter_smoke_test
+    # additive, present only for a run with held-out validation (so a run without it writes the
+    # receipt it always did): the corpus, every evaluation and the best one
+    if facts.validation is not None:
+        receipt["validation"] = facts.validation
     receipt["config"] = facts.config
     return receipt
 

@@ -98,6 +98,23 @@ BASE_ADAPTER_AUX_KEY = "base_adapter"
 # admission saw, so a resume must re-derive the rows from this record, not from a fresh budget.
 CHECKPOINT_PLAN_AUX_KEY = "gradient_checkpoint_plan"
 CHECKPOINT_PLAN_KEYS = ("max_segments", "auto", "budget_bytes")
+# Optional `auxiliary_state` members of a run with held-out validation (docs/validation.md), both
+# absent without it. `validation` is the corpus and schedule the run evaluates
+# (`kiln.sft-validation.v1` identity: schema, source, rows, supervised_tokens, corpus_sha256,
+# interval_steps): bound like the rest of the auxiliary state, so a resume must bring the same.
+# `validation_history` is the evaluations made up to this checkpoint's step: progress, not
+# identity, so a resume adopts it (like the step) and continues it.
+VALIDATION_AUX_KEY = "validation"
+VALIDATION_HISTORY_AUX_KEY = "validation_history"
+VALIDATION_IDENTITY_KEYS = (
+    "schema",
+    "source",
+    "rows",
+    "supervised_tokens",
+    "corpus_sha256",
+    "interval_steps",
+)
+VALIDATION_EVALUATION_KEYS = ("global_step", "epoch", "loss", "token_accuracy")
 BASE_ADAPTER_IDENTITY_KEYS = ("path", "adapter_model_sha256", "adapter_model_bytes")
 
 _IDENTIFIER_RE = re.compile(r"[A-Za-z0-9._-]+")  # matched in full (`$` admits a trailing newline)

@@ -31,6 +31,8 @@ from kiln_train.checkpoint.load import LoadedCheckpoint
 from kiln_train.checkpoint.manifest import (
     BASE_ADAPTER_AUX_KEY,
     DATA_SOURCE_KIND,
+    VALIDATION_AUX_KEY,
+    VALIDATION_HISTORY_AUX_KEY,
     CheckpointManifest,
     DataIdentity,
     OptimizerRecord,
@@ -108,11 +110,16 @@ def checkpoint_lineage(manifest: CheckpointManifest) -> tuple[str | None, dict[s
 
 
 def with_checkpoint_lineage(auxiliary_state: dict[str, Any], manifest: CheckpointManifest) -> dict[str, Any]:
-    """The resuming run's auxiliary state with the checkpoint's base-adapter identity adopted."""
-    out = {k: v for k, v in auxiliary_state.items() if k != BASE_ADAPTER_AUX_KEY}
+    """The resuming run's auxiliary state with what the checkpoint records as its run's history
+    adopted: the base-adapter identity, and the validation evaluations made so far (progress, not
+    identity: the validation corpus itself, `auxiliary_state.validation`, is compared)."""
+    adopted = (BASE_ADAPTER_AUX_KEY, VALIDATION_HISTORY_AUX_KEY)
+    out = {k: v for k, v in auxiliary_state.items() if k not in adopted}
     _, identity = checkpoint_lineage(manifest)
     if identity is not None:
         out[BASE_ADAPTER_AUX_KEY] = identity
+    if VALIDATION_HISTORY_AUX_KEY in manifest.auxiliary_state:
+        out[VALIDATION_HISTORY_AUX_KEY] = manifest.auxiliary_state[VALIDATION_HISTORY_AUX_KEY]
     return out
 
 
@@ -209,6 +216,12 @@ def compare_for_resume(manifest: CheckpointManifest, expected: ResumeExpectation
         "auxiliary_state.execution_provenance.provenance_sha256",
         _get(ours_aux, "execution_provenance", "provenance_sha256"),
         _get(theirs_aux, "execution_provenance", "provenance_sha256"),
+    )
+    # The held-out validation corpus and schedule, named before the digests that also cover it.
+    _require_equal(
+        f"auxiliary_state.{VALIDATION_AUX_KEY}",
+        ours_aux.get(VALIDATION_AUX_KEY, _ABSENT),
+        theirs_aux.get(VALIDATION_AUX_KEY, _ABSENT),
     )
     _require_equal("auxiliary_state", ours_aux, theirs_aux)
     epochs = manifest.effective_config.get("epochs")

@@ -10,6 +10,7 @@ discovery on its own. Each failure is a `CheckpointError` naming the field.
 
 from __future__ import annotations
 
+import math
 import posixpath
 import re
 from typing import Any
@@ -32,6 +33,10 @@ from kiln_train.checkpoint.manifest import (
     SFT_LOOP_STATE_TYPE,
     SFT_PLANNING_SCHEMA,
     STATE_FILE_ROLES,
+    VALIDATION_AUX_KEY,
+    VALIDATION_EVALUATION_KEYS,
+    VALIDATION_HISTORY_AUX_KEY,
+    VALIDATION_IDENTITY_KEYS,
     CheckpointManifest,
     check_identifier,
     checkpoint_id_for,
@@ -257,6 +262,7 @@ def _check_sft_resumable(m: CheckpointManifest) -> None:
             raise CheckpointError(f"auxiliary_state.{key}: must be a non-empty string")
     _check_base_adapter_lineage(m)
     _check_recorded_plan(m)
+    _check_validation(m)
 
 
 def checkpoint_plan_problem(plan: object, grad_checkpoint_segments: object) -> str | None:
@@ -292,6 +298,67 @@ def _check_recorded_plan(m: CheckpointManifest) -> None:
 
 
 _SHA256_RE = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def _count(value: Any, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _check_validation(m: CheckpointManifest) -> None:
+    """`auxiliary_state.validation` (the held-out corpus and schedule) and
+    `auxiliary_state.validation_history` (the evaluations up to this step): both or neither."""
+    aux = m.auxiliary_state
+    identity, history = aux.get(VALIDATION_AUX_KEY), aux.get(VALIDATION_HISTORY_AUX_KEY)
+    field, hfield = f"auxiliary_state.{VALIDATION_AUX_KEY}", f"auxiliary_state.{VALIDATION_HISTORY_AUX_KEY}"
+    if (VALIDATION_AUX_KEY in aux) != (VALIDATION_HISTORY_AUX_KEY in aux):
+        raise CheckpointError(f"{field} and {hfield}: a run with validation records both, any other neither")
+    if VALIDATION_AUX_KEY not in aux:
+        return
+    if not isinstance(identity, dict) or set(identity) != set(VALIDATION_IDENTITY_KEYS):
+        raise CheckpointError(
+            f"{field}: must be an object with exactly {', '.join(VALIDATION_IDENTITY_KEYS)}"
+        )
+    if identity["schema"] != "kiln.sft-validation.v1":
+        raise CheckpointError(f"{field}.schema: {identity['schema']!r} is not 'kiln.sft-validation.v1'")
+    if identity["source"] not in ("inline", "dataset_path", "holdout"):
+        raise CheckpointError(
+            f"{field}.source: {identity['source']!r} is not inline, dataset_path or holdout"
+        )
+    for key in ("rows", "supervised_tokens"):
+        if not _count(identity[key], 1):
+            raise CheckpointError(f"{field}.{key}: {identity[key]!r} is not an integer >= 1")
+    if not isinstance(identity["corpus_sha256"], str) or not _SHA256_RE.fullmatch(identity["corpus_sha256"]):
+        raise CheckpointError(
+            f"{field}.corpus_sha256: {identity['corpus_sha256']!r} is not sha256:<64 lowercase hex>"
+        )
+    if identity["interval_steps"] is not None and not _count(identity["interval_steps"], 1):
+        raise CheckpointError(
+            f"{field}.interval_steps: {identity['interval_steps']!r} is not null or an integer >= 1"
+        )
+    if not isinstance(history, list):
+        raise CheckpointError(f"{hfield}: must be a list of evaluations")
+    previous = -1
+    for i, entry in enumerate(history):
+        where = f"{hfield}[{i}]"
+        if not isinstance(entry, dict) or set(entry) != set(VALIDATION_EVALUATION_KEYS):
+            raise CheckpointError(
+                f"{where}: must be an object with exactly {', '.join(VALIDATION_EVALUATION_KEYS)}"
+            )
+        step, epoch, loss, accuracy = (entry[k] for k in VALIDATION_EVALUATION_KEYS)
+        if not _count(step, 0) or step <= previous or step > m.progress.global_step:
+            raise CheckpointError(
+                f"{where}.global_step: {step!r} is not an integer above the previous evaluation's and at most "
+                f"progress.global_step {m.progress.global_step}"
+            )
+        if not _count(epoch, 0) or epoch > m.progress.epoch_index:
+            raise CheckpointError(
+                f"{where}.epoch: {epoch!r} is not an integer in 0..=progress.epoch_index {m.progress.epoch_index}"
+            )
+        if isinstance(loss, bool) or not isinstance(loss, int | float) or not math.isfinite(loss) or loss < 0:
+            raise CheckpointError(f"{where}.loss: {loss!r} is not a finite non-negative number")
+        if isinstance(accuracy, bool) or not isinstance(accuracy, int | float) or not 0 <= accuracy <= 1:
+            raise CheckpointError(f"{where}.token_accuracy: {accuracy!r} is not a number in [0, 1]")
+        previous = step
 
 
 def _check_base_adapter_lineage(m: CheckpointManifest) -> None:

@@ -1,1 +1,1 @@
-"""Conversations to training rows: the message schema, the Qwen3.5 chat templates, assistant-only labels, row identity, the tokenizer, ingestion and its receipt (docs/tokenization.md, docs/ingestion.md). Torch-free."""
+"""Conversations to training rows: the message schema, the Qwen3.5 chat templates, assistant-only labels, row identity, the tokenizer, ingestion and its receipt, held-out validation rows (docs/tokenization.md, docs/ingestion.md, docs/validation.md). Torch-free."""

@@ -251,17 +251,18 @@ def _parse(obj) -> tuple[dict, str]:
     return parsed, canonical, unrenderable_field(obj)
 
 
-def _example_rows(examples: list, t: IngestionTimings) -> list[_SourceRow]:
+def _example_rows(examples: list, t: IngestionTimings, field: str = "examples") -> list[_SourceRow]:
     """Inline examples are one request body: every example must deserialise before any row is
     processed, so a malformed example is reported as the transport error it is
-    (docs/ingestion.md#validation)."""
+    (docs/ingestion.md#validation). `field` is the request field the examples came from
+    (`validation.examples` for held-out rows)."""
     t0 = time.perf_counter()
     rows = []
     for i, obj in enumerate(examples):
         try:
             rows.append(_SourceRow(i + 1, parsed=_parse(obj)))
         except RowSchemaError as exc:
-            raise invalid_request(f"examples[{i}]: {exc.detail}") from None
+            raise invalid_request(f"{field}[{i}]: {exc.detail}") from None
     t.parse_hash += time.perf_counter() - t0
     return rows
 
@@ -398,13 +399,15 @@ def iter_example_outcomes(
     tokenizer,
     template: ChatTemplate | None = None,
     timings: IngestionTimings | None = None,
+    field: str = "examples",
 ) -> Iterator[RowOutcome]:
     """Every inline example's outcome in order (no policy applied).
 
-    Raises `training_invalid_request` at once when any example cannot be deserialised.
+    Raises `training_invalid_request` at once when any example cannot be deserialised, naming it
+    as `<field>[<index>]`.
     """
     timings = timings or IngestionTimings()
-    return _outcomes(_example_rows(list(examples), timings), tokenizer, template, timings)
+    return _outcomes(_example_rows(list(examples), timings, field), tokenizer, template, timings)
 
 
 def iter_jsonl_outcomes(
@@ -415,6 +418,41 @@ def iter_jsonl_outcomes(
 
 
 # --------------------------------------------------------------------------- policy and receipt
+
+
+def select_rows(
+    outcomes: Iterable[RowOutcome], policy: str, *, row_label: str = "SFT row", empty: str | None = None
+) -> tuple[list[TokenizedRow], list[dict], int]:
+    """Apply `fail`/`skip` to row outcomes in order: (kept rows, rejected entries, rows read).
+
+    `row_label` names a row in messages (`SFT row 3`, `SFT validation row 3`); `empty` is the
+    message's lead when no row is kept (400)."""
+    if policy not in POLICIES:
+        raise invalid_request(f"invalid_row_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    rows: list[TokenizedRow] = []
+    rejected: list[dict] = []
+    read = 0
+    for outcome in outcomes:
+        read += 1
+        if outcome.kept:
+            rows.append(outcome.tokenized)
+            continue
+        message = (
+            f"{row_label} {outcome.row_index} ({outcome.row_sha256}) rejected as {outcome.reason}: "
+            f"{outcome.detail}"
+        )
+        if policy == "fail":
+            raise invalid_request(message)
+        log.warning("skipping %s", message)
+        rejected.append(
+            {"row_index": outcome.row_index, "row_sha256": outcome.row_sha256, "reason": outcome.reason}
+        )
+    if not rows:
+        raise invalid_request(
+            f"{empty or 'SFT corpus contains no trainable rows'}: read {read} row(s), rejected "
+            f"{len(rejected)} (invalid_row_policy {policy})"
+        )
+    return rows, rejected, read
 
 
 def apply_invalid_row_policy(
@@ -428,29 +466,15 @@ def apply_invalid_row_policy(
         raise invalid_request(f"invalid_row_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     if source not in SOURCES:
         raise ValueError(f"unknown SFT source {source!r}")
-    rows: list[TokenizedRow] = []
-    rejected: list[dict] = []
-    read = 0
-    for outcome in outcomes:
-        read += 1
-        if outcome.kept:
-            rows.append(outcome.tokenized)
-            continue
-        message = f"SFT row {outcome.row_index} ({outcome.row_sha256}) rejected as {outcome.reason}: {outcome.detail}"
-        if policy == "fail":
-            raise invalid_request(message)
-        log.warning("skipping %s", message)
-        rejected.append(
-            {"row_index": outcome.row_index, "row_sha256": outcome.row_sha256, "reason": outcome.reason}
-        )
-    if not rows:
-        raise invalid_request(
-            f"SFT corpus contains no trainable rows: read {read} row(s), rejected {len(rejected)} "
-            f"(invalid_row_policy {policy})"
-        )
+    rows, rejected, read = select_rows(outcomes, policy)
     receipt = build_ingestion_receipt(
         source, source_locator, policy, read, [r.row_sha256 for r in rows], rejected
     )
+    return ingestion_result(receipt, rows)
+
+
+def ingestion_result(receipt: dict, rows: list[TokenizedRow]) -> IngestionResult:
+    """An `IngestionResult` of `rows` under `receipt`, with the rows' length statistics."""
     return IngestionResult(
         receipt=receipt,
         rows=rows,

@@ -9,6 +9,14 @@ rejected `row_index` 1-based among non-blank rows, strictly increasing, <= rows_
 `sha256:<64 lowercase hex>`; rejection reasons from the contract enum; `kept_corpus_sha256`
 recomputes from `kept_row_hashes`; unknown fields rejected. One implied invariant is also
 enforced: a `fail`-policy receipt records no rejected rows (any rejection aborts the ingestion).
+
+A run with held-out validation adds one member, `validation` (absent otherwise, so a receipt
+without validation is byte-identical to one written before validation existed): the held-out
+rows' own counts, hashes and corpus digest (docs/validation.md). Its `source` is `inline` or
+`dataset_path` (rows of their own, ingested under the same policy) or `holdout` (rows taken out of
+the submitted ones after the policy: then `holdout_percent` is present, nothing is rejected in the
+part, and the top level's `rows_read` counts them: `rows_read == rows_kept + rows_rejected +
+validation.rows_kept`).
 """
 
 from __future__ import annotations
@@ -33,6 +41,19 @@ RECEIPT_FIELDS = (
     "kept_corpus_sha256",
 )
 REJECTED_ROW_FIELDS = ("row_index", "row_sha256", "reason")
+VALIDATION_KEY = "validation"
+VALIDATION_SOURCES = ("inline", "dataset_path", "holdout")
+VALIDATION_PART_FIELDS = (
+    "source",
+    "source_locator",
+    "holdout_percent",
+    "rows_read",
+    "rows_kept",
+    "rows_rejected",
+    "kept_row_hashes",
+    "rejected_rows",
+    "kept_corpus_sha256",
+)
 
 
 def build_ingestion_receipt(
@@ -60,15 +81,49 @@ def build_ingestion_receipt(
     return receipt
 
 
+def build_validation_part(
+    source: str,
+    source_locator: str | None,
+    holdout_percent: int | None,
+    rows_read: int,
+    kept_row_hashes: list[str],
+    rejected_rows: list[dict],
+) -> dict:
+    """The receipt's `validation` member (validated with its receipt by `with_validation_part`)."""
+    part: dict = {"source": source}
+    if source_locator is not None:
+        part["source_locator"] = source_locator
+    if holdout_percent is not None:
+        part["holdout_percent"] = holdout_percent
+    part.update(
+        rows_read=rows_read,
+        rows_kept=len(kept_row_hashes),
+        rows_rejected=len(rejected_rows),
+        kept_row_hashes=list(kept_row_hashes),
+        rejected_rows=[dict(r) for r in rejected_rows],
+        kept_corpus_sha256=kept_corpus_sha256(kept_row_hashes),
+    )
+    return part
+
+
+def with_validation_part(receipt: dict, part: dict) -> dict:
+    """`receipt` with its `validation` member (last), validated as a whole."""
+    out = {k: v for k, v in receipt.items() if k != VALIDATION_KEY}
+    out[VALIDATION_KEY] = part
+    validate_ingestion_receipt(out)
+    return out
+
+
+def _bad(why: str) -> KilnError:
+    return invalid_request(f"invalid {INGESTION_SCHEMA} receipt: {why}")
+
+
 def validate_ingestion_receipt(obj) -> None:
     """Enforce every `kiln.sft-ingestion.v1` invariant; KilnError if one fails."""
-
-    def bad(why: str) -> KilnError:
-        return invalid_request(f"invalid {INGESTION_SCHEMA} receipt: {why}")
-
+    bad = _bad
     if not isinstance(obj, dict):
         raise bad("expected an object")
-    unknown = sorted(set(obj) - set(RECEIPT_FIELDS))
+    unknown = sorted(set(obj) - set(RECEIPT_FIELDS) - {VALIDATION_KEY})
     if unknown:
         raise bad(f"unknown field(s) {', '.join(unknown)}")
     missing = [k for k in RECEIPT_FIELDS if k != "source_locator" and k not in obj]
@@ -84,25 +139,65 @@ def validate_ingestion_receipt(obj) -> None:
             raise bad("source_locator must be a non-blank string when present")
     if obj["invalid_row_policy"] not in POLICIES:
         raise bad(f"invalid_row_policy {obj['invalid_row_policy']!r} is not one of {', '.join(POLICIES)}")
+    part = obj.get(VALIDATION_KEY)
+    holdout = isinstance(part, dict) and part.get("source") == "holdout"
+    held_out = part.get("rows_kept") if holdout else 0
+    _check_rows(obj, obj["invalid_row_policy"], RECEIPT_FIELDS, "", held_out=held_out)
+    if VALIDATION_KEY in obj:
+        _check_rows(part, obj["invalid_row_policy"], VALIDATION_PART_FIELDS, "validation.")
+        if part["source"] not in VALIDATION_SOURCES:
+            raise bad(f"validation.source {part['source']!r} is not one of {', '.join(VALIDATION_SOURCES)}")
+        if holdout:
+            percent = part.get("holdout_percent")
+            if not isinstance(percent, int) or isinstance(percent, bool) or not 1 <= percent <= 50:
+                raise bad("validation.holdout_percent must be an integer in 1..=50 for a holdout")
+            if "source_locator" in part or part["rows_rejected"]:
+                raise bad("a holdout part has no source_locator and rejects nothing")
+        elif "holdout_percent" in part:
+            raise bad("validation.holdout_percent is recorded only for a holdout")
+
+
+def _check_rows(obj, policy: str, fields: tuple[str, ...], where: str, held_out: int = 0) -> None:
+    """The row accounting shared by the receipt and its `validation` part (field names prefixed
+    with `where`). `held_out` rows (a holdout's) were read at the top level but kept elsewhere."""
+    bad = _bad
+    if not isinstance(obj, dict):
+        raise bad(f"{where or 'receipt '}must be an object")
+    unknown = sorted(set(obj) - set(fields) - ({VALIDATION_KEY} if not where else set()))
+    if unknown:
+        raise bad(f"unknown field(s) {', '.join(where + k for k in unknown)}")
+    optional = ("source_locator", "holdout_percent", "schema", "invalid_row_policy")
+    missing = [where + k for k in fields if k not in optional and k not in obj]
+    if missing:
+        raise bad(f"missing field(s) {', '.join(missing)}")
+    if "source_locator" in obj:
+        locator = obj["source_locator"]
+        if not isinstance(locator, str) or not locator.strip():
+            raise bad(f"{where}source_locator must be a non-blank string when present")
     counts = {}
     for key in ("rows_read", "rows_kept", "rows_rejected"):
         value = obj[key]
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise bad(f"{key} must be a non-negative integer")
+            raise bad(f"{where}{key} must be a non-negative integer")
         counts[key] = value
-    if counts["rows_read"] != counts["rows_kept"] + counts["rows_rejected"]:
-        raise bad("rows_read != rows_kept + rows_rejected")
+    if not isinstance(held_out, int) or isinstance(held_out, bool) or held_out < 0:
+        raise bad("validation.rows_kept must be a non-negative integer")
+    if counts["rows_read"] != counts["rows_kept"] + counts["rows_rejected"] + held_out:
+        raise bad(
+            f"{where}rows_read != {where}rows_kept + {where}rows_rejected"
+            + (" + validation.rows_kept" if held_out else "")
+        )
     if counts["rows_kept"] <= 0:
-        raise bad("rows_kept must be > 0")
+        raise bad(f"{where}rows_kept must be > 0")
     kept, rejected = obj["kept_row_hashes"], obj["rejected_rows"]
     if not isinstance(kept, list) or len(kept) != counts["rows_kept"]:
-        raise bad("kept_row_hashes length differs from rows_kept")
+        raise bad(f"{where}kept_row_hashes length differs from {where}rows_kept")
     if not isinstance(rejected, list) or len(rejected) != counts["rows_rejected"]:
-        raise bad("rejected_rows length differs from rows_rejected")
+        raise bad(f"{where}rejected_rows length differs from {where}rows_rejected")
     for h in kept:
         if not is_digest(h):
             raise bad(f"kept row hash {h!r} is not sha256:<64 lowercase hex>")
-    if obj["invalid_row_policy"] == "fail" and rejected:
+    if policy == "fail" and rejected:
         raise bad("a fail-policy ingestion cannot record rejected rows")
     previous = 0
     for entry in rejected:
@@ -114,13 +209,13 @@ def validate_ingestion_receipt(obj) -> None:
         if index <= previous:
             raise bad("rejected row_index values must be strictly increasing")
         if index > counts["rows_read"]:
-            raise bad(f"rejected row_index {index} exceeds rows_read")
+            raise bad(f"rejected row_index {index} exceeds {where}rows_read")
         previous = index
         if not is_digest(entry["row_sha256"]):
             raise bad(f"rejected row_sha256 {entry['row_sha256']!r} is not sha256:<64 lowercase hex>")
         if entry["reason"] not in REJECTION_REASONS:
             raise bad(f"rejection reason {entry['reason']!r} is not one of {', '.join(REJECTION_REASONS)}")
     if not is_digest(obj["kept_corpus_sha256"]):
-        raise bad("kept_corpus_sha256 is not sha256:<64 lowercase hex>")
+        raise bad(f"{where}kept_corpus_sha256 is not sha256:<64 lowercase hex>")
     if kept_corpus_sha256(kept) != obj["kept_corpus_sha256"]:
-        raise bad("kept_corpus_sha256 does not recompute from kept_row_hashes")
+        raise bad(f"{where}kept_corpus_sha256 does not recompute from {where}kept_row_hashes")

@@ -214,3 +214,62 @@ def loss_workspace_bytes(config: Qwen35Config, route: str, t: int, a: int, e: in
             e * t * v + (F32 * t * v if low else 0) + 3 * F32 * t * v + (e * t * v if low else 0) + e * t * h
         )
     raise invalid_request(f"no memory estimate for SFT loss route {route!r}; known: {list(ESTIMATED_ROUTES)}")
+
+
+# ----- the validation forward (no gradient) --------------------------------------------------------
+
+# The validation pass scores one block of [rows, columns] at a time, small enough that its
+# element-wise passes (max, exp, sum) run from cache: at most 1024 vocabulary columns, and as many
+# supervised rows as keep the f32 block within VALIDATION_SCORE_BLOCK_BYTES. Training's chunk
+# (`vocab_chunk_size`) is larger because its gradient accumulator needs the whole row set per chunk.
+VALIDATION_VOCAB_CHUNK = 1024
+VALIDATION_SCORE_BLOCK_BYTES = 8 * MIB
+
+
+def validation_score_block(vocab_size: int, active_rows: int) -> tuple[int, int]:
+    """(rows, columns) of one f32 score block of the validation pass (kiln_train.train.evaluation)."""
+    columns = max(1, min(vocab_size, VALIDATION_VOCAB_CHUNK))
+    rows = max(1, min(active_rows, VALIDATION_SCORE_BLOCK_BYTES // (F32 * columns)))
+    return rows, columns
+
+
+def forward_activation_bytes(config: Qwen35Config, t: int, r: int, e: int) -> int:
+    """Activations live while one layer runs forward without autograd: nothing is kept from layer
+    to layer, so the bound is the heaviest layer's tensors (what training saves of it bounds what
+    it creates and holds at once) plus its [T, h] input and output."""
+    return max(layer_activation_bytes(config, t, r, e)) + 2 * t * config.hidden_size * e
+
+
+def forward_boundary_bytes(config: Qwen35Config, t: int, e: int) -> int:
+    """Hidden states a validation forward keeps across layers: the embedding output, the final
+    RMSNorm's f32 input and its output, the rope tables."""
+    h = config.hidden_size
+    return t * (h * e + F32 * h + h * e + 2 * config.rotary_dim * e)
+
+
+def eval_loss_workspace_bytes(config: Qwen35Config, route: str, t: int, a: int, e: int) -> int:
+    """Peak bytes of the validation loss and token accuracy (kiln_train.train.evaluation).
+
+    kt_tape_flce (the blocked pass): the gathered rows [A, h] (e), their f32 upcast when e < 4,
+    the f32 target head rows and their product with the rows, the f32 [chunk, h] head slice when
+    e < 4, one f32 score block (`validation_score_block`) with one reduction temporary, and per-row
+    statistics (running max, sum, arg-max, the target logit, the block's max and arg-max). No
+    gradient accumulator, no [T, h] scatter.
+    full_logits: the dense [T, V] logits (e), their f32 copy when e < 4, one f32 [T, V]
+    log-softmax and the [T, h] hidden.
+    """
+    h, v = config.hidden_size, config.vocab_size
+    low = e < F32
+    if route == KT_TAPE_FLCE:
+        rows, chunk = validation_score_block(v, a)
+        return (
+            e * a * h
+            + (F32 * a * h if low else 0)
+            + 2 * F32 * a * h
+            + (F32 * chunk * h if low else 0)
+            + 2 * F32 * rows * chunk
+            + 24 * F32 * a
+        )
+    if route == FULL_LOGITS:
+        return e * t * v + (F32 * t * v if low else 0) + F32 * t * v + e * t * h
+    raise invalid_request(f"no memory estimate for SFT loss route {route!r}; known: {list(ESTIMATED_ROUTES)}")

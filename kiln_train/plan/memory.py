@@ -20,7 +20,15 @@ from dataclasses import asdict, dataclass, replace
 
 from kiln_train.model.config import Qwen35Config
 from kiln_train.plan.backend import Backend
-from kiln_train.plan.formulas import F32, boundary_bytes, loss_workspace_bytes, segment_activation_bytes
+from kiln_train.plan.formulas import (
+    F32,
+    boundary_bytes,
+    eval_loss_workspace_bytes,
+    forward_activation_bytes,
+    forward_boundary_bytes,
+    loss_workspace_bytes,
+    segment_activation_bytes,
+)
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -175,4 +183,66 @@ def estimate(
     )
     # Allocator rounding and fragmentation: 1/16 of the working set. The fixed reserve beside it
     # is the budget's `[memory].reserve_gb`.
+    return replace(breakdown, safety_margin=saturate(-(-breakdown.working_set // 16)))
+
+
+def forward_estimate(
+    config: Qwen35Config,
+    *,
+    max_seq_len: int,
+    max_supervised_tokens: int,
+    lora_rank: int,
+    optimizer_kind: str,
+    loss_route: str,
+    backend: Backend,
+    weights_resident: bool,
+) -> Breakdown:
+    """The working set of one validation forward (docs/validation.md): no gradient, so no saved
+    activations, no `.grad` and no optimizer temporaries; the LoRA leaves and the optimizer state
+    stay resident between steps. Same components as `estimate` so the 413 reads the same;
+    `num_segments` is 1 (nothing is recomputed without a backward).
+
+    - per_segment_activations: the heaviest layer's tensors (its saved set in training is an
+      upper bound of what one layer holds at once without autograd) plus its input and output;
+    - boundary_states: the embedding output, the final norm's f32 input and its output, the rope
+      tables (`forward_boundary_bytes`);
+    - loss_workspace: the chunked evaluation pass (`eval_loss_workspace_bytes`);
+    - lora_param_grad: the LoRA leaves only; lora_optimizer_state: as in training;
+    - residency_scratch: the compute runtime's buffers only.
+    """
+    for name, value in (
+        ("max_seq_len", max_seq_len),
+        ("max_supervised_tokens", max_supervised_tokens),
+        ("lora_rank", lora_rank),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if optimizer_kind not in OPTIMIZER_STATE_BUFFERS:
+        raise ValueError(f"unknown optimizer kind {optimizer_kind!r}")
+    t, a, r = max_seq_len, max_supervised_tokens, lora_rank
+    e = _dtype_bytes(backend.activation_dtype)
+    lora_elements = config.lora_elements_per_rank() * r
+    weights = (
+        0 if weights_resident else config.base_parameter_count() * _dtype_bytes(backend.base_weight_dtype)
+    )
+    breakdown = Breakdown(
+        base_weights=saturate(weights),
+        per_segment_activations=saturate(forward_activation_bytes(config, t, r, e)),
+        boundary_states=saturate(forward_boundary_bytes(config, t, e)),
+        loss_workspace=saturate(eval_loss_workspace_bytes(config, loss_route, t, a, e)),
+        lora_param_grad=saturate(lora_elements * _dtype_bytes(backend.lora_dtype)),
+        lora_optimizer_state=saturate(
+            OPTIMIZER_STATE_BUFFERS[optimizer_kind]
+            * lora_elements
+            * _dtype_bytes(backend.optimizer_state_dtype)
+        ),
+        residency_scratch=saturate(RUNTIME_SCRATCH_BYTES.get(backend.name, 64 * MIB)),
+        safety_margin=0,
+        max_seq_len=t,
+        max_supervised_tokens=a,
+        lora_rank=r,
+        num_segments=1,
+        loss_route=loss_route,
+        optimizer_kind=optimizer_kind,
+    )
     return replace(breakdown, safety_margin=saturate(-(-breakdown.working_set // 16)))

@@ -14,19 +14,27 @@ def _gb(n: int) -> str:
 
 
 def will_not_fit_message(
-    breakdown: Breakdown, available_bytes: int, *, rank_ceiling: int, tried: list[int] | None = None
+    breakdown: Breakdown,
+    available_bytes: int,
+    *,
+    rank_ceiling: int,
+    tried: list[int] | None = None,
+    what: str = "training step",
 ) -> str:
     """The one-line `training_will_not_fit` message plus the advice (docs/memory.md#the-413)."""
+    return f"{_head(breakdown, available_bytes, what)} {advice(breakdown, rank_ceiling=rank_ceiling, tried=tried)}"
+
+
+def _head(breakdown: Breakdown, available_bytes: int, what: str) -> str:
     b = breakdown
-    head = (
-        f"Estimated training step working set is {_gb(b.total)} GB but only {_gb(available_bytes)} GB "
+    return (
+        f"Estimated {what} working set is {_gb(b.total)} GB but only {_gb(available_bytes)} GB "
         f"is available. Breakdown: weights {_gb(b.base_weights)} GB, activations {_gb(b.activations)} GB "
         f"(max_seq_len={b.max_seq_len}, num_segments={b.num_segments}), loss workspace "
         f"{_gb(b.loss_workspace)} GB (route={b.loss_route}), LoRA params+grads {_gb(b.lora_param_grad)} GB, "
         f"optimizer state {_gb(b.lora_optimizer_state)} GB, residency scratch {_gb(b.residency_scratch)} GB "
         f"(lora_rank={b.lora_rank})."
     )
-    return f"{head} {advice(b, rank_ceiling=rank_ceiling, tried=tried)}"
 
 
 def dominant_component(breakdown: Breakdown) -> str:
@@ -91,4 +99,19 @@ def will_not_fit(
     )
     # The numbers ride along in bytes (with the budget) for clients that draw them.
     error.breakdown = {**breakdown.to_dict(), "available_bytes": available_bytes}
+    return error
+
+
+def validation_will_not_fit(breakdown: Breakdown, available_bytes: int) -> KilnError:
+    """The 413 for held-out validation rows whose forward (no gradient) does not fit although the
+    training rows do: the same message shape, naming the validation forward and what to change."""
+    b = breakdown
+    message = (
+        f"{_head(b, available_bytes, 'validation forward')} The longest validation row "
+        f"(max_seq_len={b.max_seq_len}, {b.max_supervised_tokens} supervised tokens) does not fit even "
+        "without a gradient; send shorter validation examples, fewer supervised tokens per validation "
+        "row, or free device memory."
+    )
+    error = KilnError(TRAINING_WILL_NOT_FIT, message)
+    error.breakdown = {**b.to_dict(), "available_bytes": available_bytes, "phase": "validation_forward"}
     return error

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln_train.checkpoint import CheckpointManifest, load_checkpoint, seed_for_resume
+from kiln_train.checkpoint import VALIDATION_AUX_KEY, CheckpointManifest, load_checkpoint, seed_for_resume
 from kiln_train.checkpoint.resume import RESUME_IGNORED_CONFIG_FIELDS, first_difference
 from kiln_train.errors import KilnError, invalid_request
 from kiln_train.plan.names import NAME_MAX_BYTES
@@ -96,9 +96,15 @@ def adopt_checkpoint_fields(config: SftConfig, point: ResumePoint) -> SftConfig:
 
 
 def check_resume_identity(
-    point: ResumePoint, effective_config: dict, kept_corpus_sha256: str, rows_kept: int, total_steps: int
+    point: ResumePoint,
+    effective_config: dict,
+    kept_corpus_sha256: str,
+    rows_kept: int,
+    total_steps: int,
+    validation: dict | None = None,
 ) -> None:
-    """The admitted run must be the checkpointed run: config, data and length (400 on drift)."""
+    """The admitted run must be the checkpointed run: config, data, length and the held-out
+    validation corpus and schedule (`validation`: its identity, None without) (400 on drift)."""
     manifest = point.manifest
 
     def drop(config: dict) -> dict:
@@ -113,6 +119,9 @@ def check_resume_identity(
         found = ("data.item_count", manifest.data.item_count, rows_kept)
     if found is None and manifest.progress.total_steps != total_steps:
         found = ("progress.total_steps", manifest.progress.total_steps, total_steps)
+    if found is None:
+        recorded = manifest.auxiliary_state.get(VALIDATION_AUX_KEY)
+        found = first_difference(f"auxiliary_state.{VALIDATION_AUX_KEY}", recorded, validation)
     if found is not None:
         where, theirs, ours = found
         raise invalid_request(

@@ -14,7 +14,9 @@ from pathlib import Path
 
 from kiln_train.checkpoint.manifest import CHECKPOINT_PLAN_AUX_KEY
 from kiln_train.data.ingestion import IngestionResult
+from kiln_train.data.validation import ValidationSet
 from kiln_train.plan.gates import TrainingTarget, check_static_gates
+from kiln_train.plan.memory import Breakdown
 from kiln_train.plan.names import check_output_name_fits
 from kiln_train.plan.resume_point import (
     ResumePoint,
@@ -22,7 +24,7 @@ from kiln_train.plan.resume_point import (
     check_resume_identity,
     load_resume_point,
 )
-from kiln_train.plan.segments import SegmentPlan, check_row_plan_fits, plan_segments
+from kiln_train.plan.segments import SegmentPlan, check_row_plan_fits, plan_segments, plan_validation_forward
 from kiln_train.sft_config import SftConfig
 
 CHECKPOINT_BOUNDARY = "contiguous"
@@ -36,6 +38,14 @@ class RunPlan:
     auto_segments: bool  # rows get the fewest segments that fit (planned, not given by the request)
     resume: ResumePoint | None
     budget_bytes: int  # the budget an auto plan's rows are planned against (a resume: the checkpoint's)
+    validation: ValidationSet | None = None  # held-out rows (docs/validation.md)
+    validation_breakdown: Breakdown | None = None  # the working set of their forward
+
+    @property
+    def memory_estimate_bytes(self) -> int:
+        """What the run needs at its peak: a training step or a validation forward."""
+        forward = self.validation_breakdown.total if self.validation_breakdown is not None else 0
+        return max(self.segments.breakdown.total, forward)
 
     @property
     def total_steps(self) -> int:
@@ -69,6 +79,8 @@ def plan_run(
     default_output_name: str,
     default_checkpoint_interval: int | None = None,
     server: bool = True,
+    validate: Callable[[SftConfig, IngestionResult], tuple[IngestionResult, ValidationSet | None]]
+    | None = None,
 ) -> RunPlan:
     """Resume point, defaults, ingestion and memory plan for a request that passed the static
     gates; raises the 400/413/501 that refuses it.
@@ -76,6 +88,9 @@ def plan_run(
     `ingest(config)` returns the ingested rows under the config's invalid-row policy;
     `available_bytes()` the bytes a training step may use (called once, after ingestion).
     `server` says whose refusal of `train_mtp` it is (`SftConfig.resolve`).
+    `validate(config, ingestion)` returns the training rows and the held-out validation rows
+    (`kiln_train.data.validation.prepare_validation`; a holdout leaves the training rows), whose
+    forward must fit the same budget (docs/validation.md); None: no validation.
     """
     resume = None
     if config.resume_checkpoint is not None:
@@ -91,8 +106,12 @@ def plan_run(
     recorded = _recorded_plan(resume)
     auto_segments = recorded["auto"] if recorded is not None else config.grad_checkpoint_segments is None
     ingestion = ingest(config)
+    validation = None
+    if validate is not None:
+        ingestion, validation = validate(config, ingestion)
     check_output_name_fits(config.output_name, config.epochs * len(ingestion.rows))
     segments = _plan_memory(config, target, ingestion, available_bytes())
+    forward = _plan_validation(config, target, validation, segments.available_bytes)
     budget = segments.available_bytes
     if recorded is not None and recorded["auto"]:
         # The resumed rows must get the segments they had: re-derive them from the checkpoint's
@@ -117,8 +136,9 @@ def plan_run(
             ingestion.receipt["kept_corpus_sha256"],
             len(ingestion.rows),
             config.epochs * len(ingestion.rows),
+            validation.identity() if validation is not None else None,
         )
-    return RunPlan(config, ingestion, segments, auto_segments, resume, budget)
+    return RunPlan(config, ingestion, segments, auto_segments, resume, budget, validation, forward)
 
 
 def _recorded_plan(resume: ResumePoint | None) -> dict | None:
@@ -143,4 +163,23 @@ def _plan_memory(
         weights_resident=True,  # free memory is measured with the model already loaded
         available_bytes=available,
         requested_segments=config.grad_checkpoint_segments,
+    )
+
+
+def _plan_validation(
+    config: SftConfig, target: TrainingTarget, validation: ValidationSet | None, available: int
+) -> Breakdown | None:
+    """The forward over the longest held-out row must fit the same budget (413 otherwise)."""
+    if validation is None:
+        return None
+    return plan_validation_forward(
+        target.model,
+        max_seq_len=validation.max_seq_len,
+        max_supervised_tokens=validation.max_supervised_tokens,
+        lora_rank=config.lora_rank,
+        optimizer_kind=config.optimizer.kind,
+        loss_route=target.loss_route,
+        backend=target.backend,
+        weights_resident=True,
+        available_bytes=available,
     )

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from kiln_train.errors import invalid_request
 from kiln_train.model.config import Qwen35Config
 from kiln_train.plan.backend import FULL_LOGITS, Backend
-from kiln_train.plan.memory import Breakdown, estimate
+from kiln_train.plan.memory import Breakdown, estimate, forward_estimate
 from kiln_train.plan.optimizer_support import rank_range
-from kiln_train.plan.refusal import will_not_fit
+from kiln_train.plan.refusal import validation_will_not_fit, will_not_fit
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,38 @@ def plan_segments(
         backend=backend,
     )
     raise will_not_fit(breakdown, available_bytes, rank_ceiling=ceiling, tried=counts)
+
+
+def plan_validation_forward(
+    config: Qwen35Config,
+    *,
+    max_seq_len: int,
+    max_supervised_tokens: int,
+    lora_rank: int,
+    optimizer_kind: str,
+    loss_route: str,
+    backend: Backend,
+    weights_resident: bool,
+    available_bytes: int,
+) -> Breakdown:
+    """The working set of a validation forward over the longest validation row (no gradient;
+    `memory.forward_estimate`), or the 413 `training_will_not_fit` naming the validation forward.
+
+    Admission admits `max(training plan, validation forward)`: held-out rows longer than every
+    training row can need more than a training step without a backward."""
+    breakdown = forward_estimate(
+        config,
+        max_seq_len=max_seq_len,
+        max_supervised_tokens=max_supervised_tokens,
+        lora_rank=lora_rank,
+        optimizer_kind=optimizer_kind,
+        loss_route=loss_route,
+        backend=backend,
+        weights_resident=weights_resident,
+    )
+    if not breakdown.fits(available_bytes):
+        raise validation_will_not_fit(breakdown, available_bytes)
+    return breakdown
 
 
 def row_segments(

@@ -8,5 +8,6 @@ publishing the adapter or the failed receipt (`publication.py`). Around the run:
 what admission enforced), `segment_plan.py` and `identity.py` (the plan and identity a
 checkpoint binds and a receipt records), `optimizer.py` (the request's optimizer object turned
 into a `kiln_train.optim` optimizer), `grad_norms.py`, `scope.py`, `loss.py`, `anomaly.py`,
-`canary.py` (the adapter smoke test) and `warmup.py` (the worker's first step).
+`canary.py` (the adapter smoke test), `evaluation.py` (held-out validation loss and token
+accuracy, docs/validation.md) and `warmup.py` (the worker's first step).
 """

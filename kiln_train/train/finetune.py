@@ -20,7 +20,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from kiln_train.data.ingestion import IngestionResult, ingest_examples, ingest_jsonl
+from kiln_train.data.validation import ValidationSet, prepare_validation
 from kiln_train.errors import ADAPTER_ALREADY_EXISTS, KilnError, backend_unsupported, invalid_request
 from kiln_train.model.resident import ResidentModel, load_resident, missing_device
 from kiln_train.plan.backend import backend_for_device
@@ -28,7 +31,8 @@ from kiln_train.plan.budget import apply_cpu_allocator_policy, available_budget,
 from kiln_train.plan.gates import check_base_adapter, check_static_gates, resident_target
 from kiln_train.plan.names import check_no_later_checkpoints, check_request_names
 from kiln_train.plan.run_plan import RunPlan, plan_run
-from kiln_train.sft_config import SftConfig, parse_sft_config
+from kiln_train.sft_config import SftConfig, ValidationSpec, describe_validation_error, parse_sft_config
+from kiln_train.train.evaluation import Evaluation
 from kiln_train.train.request import TrainRequest
 from kiln_train.train.result import StepReport, TrainResult
 from kiln_train.train.trainer import new_run_id, train_sft
@@ -51,6 +55,8 @@ def finetune(
     device: str = "cpu",
     reserve_gb: float = DEFAULT_RESERVE_GB,
     training_memory_gb: float | None = None,
+    validation: dict | ValidationSpec | None = None,
+    on_evaluation: Callable[[Evaluation], None] | None = None,
 ) -> TrainResult:
     """Train one LoRA adapter on `data` and publish it into `output_dir`; returns the run's
     `TrainResult` (`status` "success" with `adapter_path`, or "failed" with a failed receipt).
@@ -66,16 +72,20 @@ def finetune(
       and True stops the run at a checkpoint (failure reason `cancelled`).
     - `reserve_gb` and `training_memory_gb` bound the memory budget as the service's
       `[memory]` settings do.
+    - `validation`: a request's `validation` (docs/validation.md): `{"examples": [...]}`,
+      `{"dataset_path": FILE}` (any JSONL file here) or `{"holdout_percent": P}`, with an optional
+      `interval_steps`; `on_evaluation` is called with each evaluation.
 
     Raises `KilnError` (its `code` and `message` name the field, row or file) when the service
     would refuse the same submission; nothing is written then.
     """
     parsed = _parse_config(config)
+    spec = _parse_validation(validation)
     check_request_names(parsed)
     memory = _memory_settings(reserve_gb, training_memory_gb)
     registry = Path(output_dir).expanduser().resolve()
     resident = model if isinstance(model, ResidentModel) else _load(model, device, memory)
-    plan, run_id = _plan(resident, parsed, data, registry, memory)
+    plan, run_id = _plan(resident, parsed, data, registry, memory, spec)
     registry.mkdir(parents=True, exist_ok=True)
     return train_sft(
         TrainRequest(
@@ -90,6 +100,8 @@ def finetune(
             checkpoint_plan=plan.checkpoint_plan(),
             resume_checkpoint=plan.resume.path if plan.resume is not None else None,
             run_id=run_id,
+            validation=plan.validation,
+            on_evaluation=on_evaluation,
         )
     )
 
@@ -98,6 +110,34 @@ def _parse_config(config: dict | SftConfig | None) -> SftConfig:
     if isinstance(config, SftConfig):
         return config
     return parse_sft_config(config, field_path=("config",))
+
+
+def _parse_validation(validation: dict | ValidationSpec | None) -> ValidationSpec | None:
+    if validation is None or isinstance(validation, ValidationSpec):
+        return validation
+    try:
+        return ValidationSpec.model_validate(validation)
+    except ValidationError as exc:
+        raise invalid_request(describe_validation_error(exc, ("validation",))) from None
+
+
+def _validate(
+    resident: ResidentModel, spec: ValidationSpec | None, config: SftConfig, ingestion: IngestionResult
+) -> tuple[IngestionResult, ValidationSet | None]:
+    """The held-out rows, as the service derives them; a `dataset_path` is any JSONL file here."""
+    root = None
+    if spec is not None and spec.dataset_path is not None:
+        path = Path(spec.dataset_path).expanduser().resolve()
+        spec, root = spec.model_copy(update={"dataset_path": str(path)}), path.parent
+    return prepare_validation(
+        spec,
+        ingestion,
+        tokenizer=resident.tokenizer,
+        template=resident.template,
+        policy=config.invalid_row_policy,
+        seed=config.seed,
+        datasets_root=root,
+    )
 
 
 def _memory_settings(reserve_gb: float, training_memory_gb: float | None) -> dict:
@@ -136,7 +176,12 @@ def _load(model_dir: str | Path, device: str, memory: dict) -> ResidentModel:
 
 
 def _plan(
-    resident: ResidentModel, config: SftConfig, data: Data, registry: Path, memory: dict
+    resident: ResidentModel,
+    config: SftConfig,
+    data: Data,
+    registry: Path,
+    memory: dict,
+    validation: ValidationSpec | None = None,
 ) -> tuple[RunPlan, str]:
     """The static gates, then `plan_run`, then the names the run will publish."""
     target = resident_target(resident.backend, resident.config)
@@ -153,6 +198,7 @@ def _plan(
         available_bytes=lambda: _available_bytes(resident, memory),
         default_output_name=f"sft-{run_id[:8]}",
         server=False,
+        validate=lambda effective, ingestion: _validate(resident, validation, effective, ingestion),
     )
     name = plan.config.output_name
     assert name is not None

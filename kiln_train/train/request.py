@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kiln_train.artifacts.fencing import Fence
     from kiln_train.data.ingestion import IngestionResult
+    from kiln_train.data.validation import ValidationSet
     from kiln_train.model.resident import ResidentModel
     from kiln_train.sft_config import SftConfig
+    from kiln_train.train.evaluation import Evaluation
     from kiln_train.train.result import StepReport
 
 
@@ -51,3 +53,8 @@ class TrainRequest:
     """This attempt's id (failed receipts are named after it); None draws a new one."""
     fence: Fence | None = None
     """A service run's publication fence (`kiln_train.artifacts.fencing`); None for a library run."""
+    validation: ValidationSet | None = None
+    """Held-out rows to evaluate (`kiln_train.data.validation.prepare_validation`): before the first
+    update, at every epoch's end and every `interval_steps` steps. Never changes what is trained."""
+    on_evaluation: Callable[[Evaluation], None] | None = None
+    """Called with each validation evaluation (before that step's checkpoint is published)."""

@@ -42,6 +42,7 @@ class TrainResult:
     peak_memory_bytes: int | None = None
     wall_clock_ms: int = 0
     loss_history: list[float] = field(default_factory=list)
+    validation_history: list[dict] = field(default_factory=list)  # every evaluation, resumed ones too
 
     def to_dict(self) -> dict:
         """The result as JSON values (paths as strings), e.g. for `kiln train local --json`."""

@@ -28,6 +28,7 @@ from kiln_train.errors import ADAPTER_ALREADY_EXISTS, KilnError, TrainingFailure
 from kiln_train.model.lora import release_lora
 from kiln_train.optim.state import encode_state
 from kiln_train.train.anomaly import anomaly_scan
+from kiln_train.train.evaluation import Evaluation, EvaluationStopped, best_evaluation, evaluate
 from kiln_train.train.grad_norms import GradNormAccumulator
 from kiln_train.train.guards import DIVERGENCE_MARGIN, DIVERGENCE_RATIO
 from kiln_train.train.identity import auxiliary_state
@@ -87,6 +88,8 @@ class SftRun:
         run_id,
         on_checkpoint=None,
         fence: Fence | None = None,
+        validation=None,
+        on_evaluation: Callable[[Evaluation], None] | None = None,
     ):
         self.resident = resident
         self.config = config
@@ -110,6 +113,9 @@ class SftRun:
         self.base_adapter_identity: dict | None = None
         self.on_checkpoint: Callable[[dict], None] | None = on_checkpoint
         self.fence = fence
+        self.validation = validation  # a kiln_train.data.validation.ValidationSet, or None
+        self.on_evaluation = on_evaluation
+        self.validation_history: list[dict] = []  # every evaluation so far (a resume's included)
 
     # ----- set-up ------------------------------------------------------------------------
     def prepare(self, resume_checkpoint: Path | None, *, may_stop: bool = True) -> None:
@@ -129,8 +135,11 @@ class SftRun:
             )
         check_config_for_training(c, self.route, self.resident, int(self.plan.get("max_segments", 1)))
         verify_rows(self.ingestion)
+        self._check_validation()
         self.segments, entries = per_row_plan(self.resident, c, self.ingestion, self.plan, self.route)
         self.aux = auxiliary_state(self.resident, c, self.ingestion, self.route, entries, self.plan)
+        if self.validation is not None:
+            self.aux[ckpt.VALIDATION_AUX_KEY] = self.validation.identity()
         resume = self._load_resume(resume_checkpoint) if resume_checkpoint is not None else None
         self._check_checkpoint_names(resume.start_step if resume is not None else 0, may_stop)
         c = self.config  # a resume adopts the checkpoint's base_adapter
@@ -141,6 +150,26 @@ class SftRun:
         self.optimizer = optimizer_for(c, self.lora.named_parameters())
         if resume is not None:
             self._restore(resume)
+
+    def _check_validation(self) -> None:
+        """The validation rows match the part of the receipt that admitted them (or there are
+        none on either side)."""
+        part = self.ingestion.receipt.get("validation")
+        if self.validation is None:
+            if part is not None:
+                raise TrainingFailure(
+                    "data_schema_error",
+                    "the ingestion receipt records validation rows but the run was given no validation set",
+                )
+            return
+        try:
+            self.validation.check()
+        except ValueError as exc:
+            raise TrainingFailure("data_schema_error", str(exc)) from None
+        if part != self.validation.part:
+            raise TrainingFailure(
+                "data_schema_error", "the validation rows differ from the ingestion receipt's validation part"
+            )
 
     def _leftover_adapter(self) -> bool:
         """Whether the adapter under this run's name is a stale run's of the same job (a service
@@ -223,7 +252,9 @@ class SftRun:
         )
         # Resume ignores the request's base_adapter: the run's lineage is the checkpoint's.
         self.config = self.config.model_copy(update={"base_adapter": lineage.base_adapter})
-        self.aux = lineage.auxiliary_state
+        self.aux = dict(lineage.auxiliary_state)
+        # The evaluations so far continue; each checkpoint records the history up to its step.
+        self.validation_history = list(self.aux.pop(ckpt.VALIDATION_HISTORY_AUX_KEY, None) or [])
         self.base_adapter_identity = lineage.base_adapter_identity
         return read_resume_state(loaded, self.model, self.config)
 
@@ -278,6 +309,14 @@ class SftRun:
     def run(self, progress, should_stop) -> None:
         c, lp = self.config, self.loop
         interval = c.checkpoint_interval
+        if self._evaluation_due(lp.global_step) and not self._evaluate(should_stop):
+            # Stopped during the baseline (nothing trained yet) or during the evaluation a resume
+            # owed at its start (the checkpoint it resumed from stays the resume point).
+            raise TrainingFailure(
+                "cancelled",
+                f"training cancelled by user during the validation at global step {lp.global_step} of "
+                f"{self.total_steps}, before any further step",
+            )
         while lp.epoch_index < c.epochs:
             order = ckpt.epoch_order(c.seed, lp.epoch_index, self.n)
             while lp.cursor < self.n:
@@ -309,11 +348,20 @@ class SftRun:
                 # on disk always has its steps recorded (and can be adopted after a crash).
                 if progress is not None:
                     progress(report)
+                interrupted = False
+                if self._evaluation_due(lp.global_step):
+                    # After the last step a stop is not honoured, so the final evaluation runs whole.
+                    poll = should_stop if lp.global_step < self.total_steps else None
+                    interrupted = not self._evaluate(poll)
                 saved = False
                 if interval and lp.global_step % interval == 0 and lp.global_step < self.total_steps:
                     self.write_checkpoint()
                     saved = True
-                if should_stop is not None and lp.global_step < self.total_steps and should_stop():
+                if (
+                    should_stop is not None
+                    and lp.global_step < self.total_steps
+                    and (interrupted or should_stop())
+                ):
                     stopped = (
                         f"training cancelled by user at global step {lp.global_step} of {self.total_steps}"
                     )
@@ -333,6 +381,51 @@ class SftRun:
                     raise TrainingFailure("cancelled", stopped)
                 if epoch_done:
                     break
+
+    # ----- validation ----------------------------------------------------------------------------
+    def _evaluation_due(self, step: int) -> bool:
+        """Whether the validation rows are evaluated at `step` (and have not been yet): the baseline
+        (step 0), every epoch's end, every `interval_steps` steps."""
+        if self.validation is None:
+            return False
+        if self.validation_history and self.validation_history[-1]["global_step"] >= step:
+            return False
+        interval = self.validation.interval_steps
+        return step == 0 or step % self.n == 0 or bool(interval and step % interval == 0)
+
+    def _evaluate(self, should_stop) -> bool:
+        """Evaluate the validation rows now; False when a stop request interrupted it (nothing is
+        recorded then). Touches no tensor, state or random stream of the training."""
+        lp = self.loop
+        try:
+            evaluation = evaluate(
+                self.model,
+                self.validation.rows,
+                route=self.route,
+                device=self.device,
+                global_step=lp.global_step,
+                epoch=lp.epoch_index,
+                should_stop=should_stop,
+            )
+        except EvaluationStopped:
+            log.info("validation at global step %d interrupted by a stop request", lp.global_step)
+            return False
+        self.validation_history.append(evaluation.to_json())
+        if self.on_evaluation is not None:
+            self.on_evaluation(evaluation)
+        return True
+
+    def validation_section(self) -> dict | None:
+        """The receipt's `validation` section: the corpus, every evaluation, the best one."""
+        if self.validation is None:
+            return None
+        history = [dict(e) for e in self.validation_history]
+        return {**self.validation.identity(), "evaluations": history, "best": best_evaluation(history)}
+
+    def _checkpoint_aux(self) -> dict:
+        if self.validation is None:
+            return self.aux
+        return {**self.aux, ckpt.VALIDATION_HISTORY_AUX_KEY: [dict(e) for e in self.validation_history]}
 
     def _end_epoch(self) -> None:
         lp = self.loop
@@ -376,7 +469,7 @@ class SftRun:
             data_order=order,
             content_sha256=self.ingestion.receipt["kept_corpus_sha256"],
             item_count=self.n,
-            auxiliary_state=self.aux,
+            auxiliary_state=self._checkpoint_aux(),
         )
         published = ckpt.publish_checkpoint(self.registry, draft, artifacts, fence=self.fence)
         record = {

@@ -90,6 +90,8 @@ def _train(request: TrainRequest) -> TrainResult:
         run_id=run_id,
         on_checkpoint=request.on_checkpoint,
         fence=request.fence,
+        validation=request.validation,
+        on_evaluation=request.on_evaluation,
     )
     try:
         return _succeed(request, run, facts, t0)
@@ -162,6 +164,7 @@ def _result(run: SftRun, facts: RunFacts, **outcome) -> TrainResult:
         peak_memory_bytes=facts.peak_memory_bytes,
         wall_clock_ms=facts.wall_clock_ms,
         loss_history=list(history),
+        validation_history=[dict(e) for e in run.validation_history],
         **outcome,
     )
 
@@ -174,6 +177,7 @@ def _settle(facts: RunFacts, run: SftRun, t0: float, smoke: dict | None, *, epoc
     facts.epochs_completed = epochs_done
     facts.lora_grad_norms = run.grads.receipt_rows()
     facts.adapter_smoke_test = smoke
+    facts.validation = run.validation_section()
     if run.base_adapter_identity is not None:
         facts.base_adapter = run.base_adapter_identity
 

@@ -11,17 +11,20 @@ from sqlalchemy import bindparam, text
 
 from kiln.store import (
     UtcDateTime,
+    ValidationEvaluation,
     claim_job,
     finish_job,
     get_job,
     make_engine,
     record_checkpoint,
+    record_evaluation,
     register_adapter,
     request_cancel,
     requeue_for_resume,
     session_factory,
     states,
     utcnow,
+    validation_history,
 )
 from tests.deploy.queries_sql import QUERIES
 from tests.kiln.store.store_support import BACKENDS, admit, claim_and_finish, migrated_database, run_steps
@@ -260,3 +263,45 @@ def test_adapter_lineage(history):
 def _adapter(history, key: str) -> str:
     with history["factory"]() as session:
         return get_job(session, history["ids"][key]).adapter_name
+
+
+def _seed_evaluations(history) -> tuple[str, str]:
+    """Validation evaluations of the running job and of a completed one (written once)."""
+    ids = history["ids"]
+    with history["factory"].begin() as session:
+        if not validation_history(session, ids["running"]):
+            running = get_job(session, ids["running"])
+            for step, loss in ((0, 3.0), (1, 2.5)):
+                record_evaluation(
+                    session, ids["running"], "worker-3", global_step=step, epoch=0, loss=loss,
+                    token_accuracy=0.1 * (step + 1), supervised_tokens=40, rows=2, attempt=running.attempts,
+                )  # fmt: skip
+            session.add_all(
+                ValidationEvaluation(
+                    job_id=ids["a"],
+                    global_step=step,
+                    epoch=step // 3,
+                    loss=loss,
+                    token_accuracy=0.5,
+                    supervised_tokens=30,
+                    rows=1,
+                    evaluated_at=utcnow(),
+                )  # fmt: skip
+                for step, loss in ((0, 4.0), (2, 1.5), (3, 2.0))
+            )
+    return ids["running"], ids["a"]
+
+
+def test_validation_curve(history):
+    running, _ = _seed_evaluations(history)
+    rows = run(history, "validation_curve", job_id=running)
+    assert [(r[0], r[1], r[2], r[4]) for r in rows] == [(0, 0, 3.0, 40), (1, 0, 2.5, 40)]
+    assert [r[3] for r in rows] == pytest.approx([0.1, 0.2])
+    assert as_utc(rows[0][5]) <= as_utc(rows[1][5])
+    assert run(history, "validation_curve", job_id=history["ids"]["b"]) == []
+
+
+def test_validation_by_job(history):
+    running, completed = _seed_evaluations(history)
+    rows = {r[0]: r[2:] for r in run(history, "validation_by_job")}
+    assert rows == {running: (3.0, 2.5, 2.5, 1, 2), completed: (4.0, 2.0, 1.5, 3, 3)}

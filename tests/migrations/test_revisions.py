@@ -32,8 +32,18 @@ TABLES = {
     "checkpoints",
     "adapters",
     "runners",
+    "validation_evaluations",
 }
-VIEWS = {"v_job_history", "v_loss_curve", "v_failures_by_reason", "v_throughput_by_rank_optimizer", "v_queue"}
+VIEWS = {
+    "v_job_history",
+    "v_loss_curve",
+    "v_failures_by_reason",
+    "v_throughput_by_rank_optimizer",
+    "v_queue",
+    "v_validation_curve",
+}
+# What revision 0001 created (before 0004 added the validation table).
+TABLES_0001 = TABLES - {"validation_evaluations"}
 
 
 @pytest.fixture(params=BACKENDS)
@@ -58,12 +68,18 @@ def test_upgrade_downgrade_upgrade(url):
     try:
         assert current_revision(engine) is None
         upgrade_database(url)
-        assert current_revision(engine) == head_revision() == "0003"
+        assert current_revision(engine) == head_revision() == "0004"
         assert _objects(engine) == (TABLES, VIEWS)
+
+        downgrade_database(url, "0003")
+        assert current_revision(engine) == "0003"
+        assert _objects(engine) == (TABLES_0001, VIEWS - {"v_validation_curve"})
+        columns = {c["name"] for c in inspect(engine).get_columns("prepared_sft_admissions")}
+        assert "validation" not in columns
 
         downgrade_database(url, "0001")
         assert current_revision(engine) == "0001"
-        assert _objects(engine) == (TABLES, set())
+        assert _objects(engine) == (TABLES_0001, set())
 
         downgrade_database(url)
         assert current_revision(engine) is None
@@ -144,7 +160,7 @@ def test_alembic_by_hand_reads_kiln_database_url(url, tmp_path):
     )
     assert done.returncode == 0, done.stderr
     shown = subprocess.run([*command, "current"], cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert "0003 (head)" in shown.stdout
+    assert "0004 (head)" in shown.stdout
     engine = make_engine(url)
     try:
         assert _objects(engine) == (TABLES, VIEWS)

@@ -306,12 +306,30 @@ function lossSeries(history) {
   return [steps, loss, mean];
 }
 
-// The job chart's lines. Held-out validation loss, once the job detail carries it, is one more
-// entry here and one more array from `lossSeries`.
+// The job chart's lines: train loss per step, its running epoch mean, and the held-out
+// validation loss at each evaluation (a point only where one was made).
 const JOB_LINES = [
   { label: "train loss" },
   { label: "epoch mean", color: "#1a5fb4", dash: [6, 4], points: false },
+  { label: "validation loss", color: "#2e7d32", width: 2 },
 ];
+
+/** `lossSeries` with the validation curve overlaid: the x axis is the union of the train steps
+ * and the evaluation steps (0 is the baseline); each line is null where it has no value. */
+function jobSeries(detail) {
+  const [steps, loss, mean] = lossSeries(detail.loss_history || []);
+  const evaluations = detail.validation_history || [];
+  const byStep = new Map(evaluations.map((e) => [e.global_step, e.loss]));
+  const xs = Array.from(new Set([...steps, ...byStep.keys()])).sort((a, b) => a - b);
+  const index = new Map(steps.map((s, i) => [s, i]));
+  const at = (values, step) => (index.has(step) ? values[index.get(step)] : null);
+  return [
+    xs,
+    xs.map((s) => at(loss, s)),
+    xs.map((s) => at(mean, s)),
+    xs.map((s) => (byStep.has(s) ? byStep.get(s) : null)),
+  ];
+}
 
 /** Seconds left, from the measured time per step of the recent loss samples. */
 function etaSeconds(detail) {
@@ -444,6 +462,8 @@ async function showOverview() {
 let defaults = null;
 let formKey = randomKey();
 let pendingPrefill = null;
+// The held-out rows of the job a resume continues (a file input cannot be prefilled).
+let resumeValidation = null;
 let sampleRows = null;
 
 const FIELD_IDS = {
@@ -463,6 +483,13 @@ const FIELD_IDS = {
   resume_checkpoint: "sft-resume-checkpoint",
   base_adapter: "sft-base-adapter",
   grad_checkpoint_segments: "sft-grad-checkpoint-segments",
+};
+// `validation.<field>` in a server message -> the form field.
+const VALIDATION_FIELD_IDS = {
+  examples: "sft-validation-file",
+  dataset_path: "sft-validation-file",
+  holdout_percent: "sft-holdout-percent",
+  interval_steps: "sft-validation-interval",
 };
 const OPTIMIZER_PREFIX = { muon: "sft-muon-", adam_w: "sft-adamw-" };
 const SOURCE_FIELD = { file: "sft-dataset-file", text: "sft-dataset-text", stored: "sft-dataset-select", sample: "sft-dataset-text" };
@@ -717,7 +744,26 @@ async function buildRequest() {
   if (base) config.base_adapter = base;
   optional(config, "grad_checkpoint_segments", "sft-grad-checkpoint-segments", true);
   body.config = config;
+  const validation = await validationRequest();
+  if (validation) body.validation = validation;
   return body;
+}
+
+/** The request's `validation`: a held-out file's rows or a holdout percent, and the interval. */
+async function validationRequest() {
+  const file = $("#sft-validation-file").files[0];
+  const percent = $("#sft-holdout-percent").value.trim();
+  const interval = $("#sft-validation-interval").value.trim();
+  if (file && percent) throw new InputProblem("sft-holdout-percent", "choose a validation file or a holdout percent, not both");
+  let validation = null;
+  if (file) validation = { examples: parseJsonl(await file.text(), "sft-validation-file") };
+  else if (percent) validation = { holdout_percent: numberOf(percent, true) };
+  else if (resumeValidation && $("#sft-resume-checkpoint").value) validation = { ...resumeValidation };
+  if (interval) {
+    if (!validation) throw new InputProblem("sft-validation-interval", "choose a validation file or a holdout percent first");
+    validation.interval_steps = numberOf(interval, true);
+  }
+  return validation;
 }
 
 function clearFieldErrors() {
@@ -741,6 +787,9 @@ function markField(id, message) {
 
 /** Which form field a 400 message names, or null. */
 function fieldOfMessage(message) {
+  const validation = message.match(/validation\.([a-z_]+)/);
+  if (validation && VALIDATION_FIELD_IDS[validation[1]]) return VALIDATION_FIELD_IDS[validation[1]];
+  if (/SFT validation row \d+|validation corpus|^validation:/.test(message)) return "sft-validation-file";
   const opt = message.match(/config\.optimizer\.(muon|adam_w|sgd)\.([a-z_0-9]+)/);
   if (opt && OPTIMIZER_PREFIX[opt[1]]) return OPTIMIZER_PREFIX[opt[1]] + opt[2].replace(/_/g, "-");
   const named = message.match(/config\.([a-z_]+)/);
@@ -823,6 +872,16 @@ function renderPreflight(box, plan) {
     ]),
     memoryBar(plan.memory.breakdown, plan.memory.available_bytes),
   );
+  if (plan.validation) {
+    const v = plan.validation;
+    const what = v.source === "holdout" ? `holdout ${v.holdout_percent}% of the rows` : v.source;
+    box.append(el("h3", { text: "Validation (held out)" }), pairs([
+      ["rows", `${what}: ${v.rows_kept} kept, ${v.rows_rejected} rejected (of ${v.rows_read} read)`],
+      ["tokens", `${v.total_tokens} (supervised ${v.total_supervised_tokens}); longest row ${v.max_seq_len}`],
+      ["evaluations", `${v.evaluations}${v.interval_steps ? ` (every ${v.interval_steps} steps and each epoch's end)` : " (the baseline and each epoch's end)"}`],
+      ["forward memory", fmtBytes(v.memory.estimate_bytes)],
+    ]));
+  }
   if (plan.rejected_rows.length) {
     const table = el("table", { id: "preflight-rejected" },
       el("thead", {}, el("tr", {}, el("th", { text: "Row" }), el("th", { text: "Hash" }), el("th", { text: "Reason" }))));
@@ -914,6 +973,11 @@ function applyPrefill(prefill) {
   syncSmokePrompts();
   set("sft-checkpoint-interval", ""); // adopted from the checkpoint
   set("sft-grad-checkpoint-segments", "");
+  const validation = prefill.validation || {}; // a resume must evaluate the same held-out rows
+  set("sft-holdout-percent", validation.holdout_percent);
+  set("sft-validation-interval", validation.interval_steps);
+  resumeValidation = validation.examples ? { examples: validation.examples }
+    : validation.dataset_path ? { dataset_path: validation.dataset_path } : null;
   const base = $("#sft-base-adapter");
   base.value = $$("option", base).some((o) => o.value === c.base_adapter) ? c.base_adapter : "";
   const resume = $("#sft-resume-checkpoint");
@@ -992,6 +1056,18 @@ function explainFailure(detail) {
   return detail.error ? `${words} ${reason ? `[${reason}] ` : ""}${detail.error}` : words;
 }
 
+/** The receipt's validation section in one line (undefined without validation). */
+function validationText(validation) {
+  const evaluations = (validation && validation.evaluations) || [];
+  if (!evaluations.length) return undefined;
+  const first = evaluations[0];
+  const last = evaluations[evaluations.length - 1];
+  const best = validation.best;
+  return `loss ${fmtLoss(first.loss)} → ${fmtLoss(last.loss)}, token accuracy ${first.token_accuracy.toFixed(4)} → ${last.token_accuracy.toFixed(4)}`
+    + (best ? `; best ${fmtLoss(best.loss)} at step ${best.global_step}` : "")
+    + ` (${evaluations.length} evaluations of ${validation.rows} held-out rows)`;
+}
+
 function receiptView(detail) {
   const receipt = detail.train_receipt;
   if (!receipt) return el("p", { class: "muted", text: TERMINAL.has(detail.state) ? "No receipt was written." : "Written when the run ends." });
@@ -1020,6 +1096,7 @@ function receiptView(detail) {
     ["phase timings", phases.length ? phases.join(", ") : undefined],
     ["peak memory", fmtBytes(runtime.peak_memory_bytes)],
     ["supervised tokens", fmtNumber((receipt.token_counts || {}).action_tokens)],
+    ["validation", validationText(receipt.validation)],
   ]));
   const smoke = receipt.adapter_smoke_test;
   if (smoke && Array.isArray(smoke.prompts) && smoke.prompts.length) {
@@ -1069,7 +1146,12 @@ async function showJob(jobId) {
     setText("job-adapter", detail.adapter_name ? `adapter ${detail.adapter_name}` : "");
     cancel.hidden = TERMINAL.has(detail.state);
     if (cancel.hidden) cancel.disabled = false;
-    setChartData(chartBox, chart, lossSeries(detail.loss_history));
+    setChartData(chartBox, chart, jobSeries(detail));
+    // The validation points the chart draws (non-null values of its validation line).
+    chartBox.dataset.validationPoints = String(chart.data[3].filter((v) => v !== null && v !== undefined).length);
+    const evaluations = detail.validation_history || [];
+    const last = evaluations[evaluations.length - 1];
+    setText("job-validation", last ? `validation loss ${fmtLoss(last.loss)}, token accuracy ${last.token_accuracy.toFixed(4)}` : "");
     for (;;) {
       const after = cursor === null ? "" : `&after=${cursor}`;
       const page = await get(`/v1/train/jobs/${encodeURIComponent(jobId)}/events?limit=500${after}`);
@@ -1120,6 +1202,7 @@ async function showCheckpoints(detail) {
           pendingPrefill = {
             examples: detail.replay_request.examples || null,
             dataset_path: detail.replay_request.dataset_path || null,
+            validation: detail.replay_request.validation || null,
             config: s.effective_config,
             resume_checkpoint: c.resume_checkpoint,
           };

@@ -31,6 +31,7 @@ STATUS_FIELDS = {
     "queue_position",
     "global_step",
     "total_steps",
+    "validation_history",
 }
 
 

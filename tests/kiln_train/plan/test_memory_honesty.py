@@ -47,3 +47,20 @@ def test_estimate_covers_the_measured_peak(small_dir, seq_len, rank, optimizer, 
     assert estimate >= actual, (
         f"estimate {estimate / 2**20:.1f} MiB < actual {actual / 2**20:.1f} MiB for {case}"
     )
+
+
+@pytest.mark.parametrize(
+    ("seq_len", "optimizer", "route"),
+    [(2048, "adam_w", "kt_tape_flce"), (512, "sgd", "full_logits")],
+)
+def test_the_validation_forward_estimate_covers_the_measured_peak(small_dir, seq_len, optimizer, route):
+    honesty = _load_script()
+    case = honesty.Case(seq_len, 16, optimizer, 1, route, phase="validation")
+    estimate = honesty.estimate_case(small_dir, "cpu", case)
+    actual = honesty.measure(small_dir, "cpu", case)
+    assert actual > 0
+    assert estimate.total >= actual, (
+        f"forward estimate {estimate.total / 2**20:.1f} MiB < actual {actual / 2**20:.1f} MiB for {case}"
+    )
+    training = honesty.estimate_case(small_dir, "cpu", honesty.Case(seq_len, 16, optimizer, 1, route))
+    assert estimate.total < training.total  # no backward: always less than a step of the same row
