@@ -121,6 +121,31 @@ SFT_CONFIG_OPTIONS = (
 )
 
 
+def validation_options(how_sent: str) -> tuple[Callable, ...]:
+    """--validation-data, --holdout-percent and --validation-interval; `how_sent` ends the first
+    option's help (how the command reads the file)."""
+    return (
+        click.option(
+            "--validation-data",
+            metavar="FILE.jsonl",
+            help="Held-out conversations, evaluated (never trained on) before the first update, at every "
+            f"epoch's end and every --validation-interval steps; {how_sent}",
+        ),
+        click.option(
+            "--holdout-percent",
+            type=int,
+            metavar="P",
+            help="Hold out P percent (1..50) of --data's rows as validation rows (a split seeded by the run's seed).",
+        ),
+        click.option(
+            "--validation-interval",
+            type=int,
+            metavar="N",
+            help="Also evaluate the validation rows every N steps.",
+        ),
+    )
+
+
 @click.command("sft")
 @click.option("--data", required=True, metavar="FILE.jsonl", help="Conversations, one JSON object per line.")
 @click.option(
@@ -136,21 +161,8 @@ SFT_CONFIG_OPTIONS = (
     type=click.Path(dir_okay=False, path_type=Path),
     help="Canary prompts: a JSON string array, or the file as one prompt.",
 )
-@click.option(
-    "--validation-data",
-    metavar="FILE.jsonl",
-    help="Held-out conversations, evaluated (never trained on) before the first update, at every "
-    "epoch's end and every --validation-interval steps; sent inline, or with --dataset-path as a "
-    "server-local validation dataset_path.",
-)
-@click.option(
-    "--holdout-percent",
-    type=int,
-    metavar="P",
-    help="Hold out P percent (1..50) of --data's rows as validation rows (a split seeded by the run's seed).",
-)
-@click.option(
-    "--validation-interval", type=int, metavar="N", help="Also evaluate the validation rows every N steps."
+@apply_options(
+    validation_options("sent inline, or with --dataset-path as a server-local validation dataset_path.")
 )
 @click.option("--idempotency-key", metavar="KEY", help="Resubmitting with the same key never double-admits.")
 @click.option(

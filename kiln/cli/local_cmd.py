@@ -26,10 +26,18 @@ from typing import Any
 
 import click
 
-from kiln.cli.client_cmd import SFT_CONFIG_OPTIONS, apply_options, json_option
+from kiln.cli.client_cmd import SFT_CONFIG_OPTIONS, apply_options, json_option, validation_options
 from kiln.cli.client_view import ProgressLine, describe_local_run, emit_json
 from kiln.cli.http_client import EXIT_API_ERROR
-from kiln.cli.sft_submit import EXIT_INTERRUPTED, read_smoke_prompts, row_lines, row_notes, sft_config
+from kiln.cli.sft_submit import (
+    EXIT_INTERRUPTED,
+    read_smoke_prompts,
+    row_lines,
+    row_notes,
+    sft_config,
+    validation_body,
+    validation_row_notes,
+)
 from kiln_train.errors import KilnError
 from kiln_train.sft_config import SftConfig, parse_sft_config
 
@@ -70,6 +78,7 @@ def register(cli: click.Group) -> None:
     type=click.Path(dir_okay=False, path_type=Path),
     help="Canary prompts: a JSON string array, or the file as one prompt.",
 )
+@apply_options(validation_options("read here like --data."))
 @json_option("Print the run's result (with its receipt) as JSON instead of text.")
 def train_local(
     model_dir: Path,
@@ -77,6 +86,9 @@ def train_local(
     output_dir: Path,
     device: str,
     adapter_smoke_prompts_file: Path | None,
+    validation_data: str | None,
+    holdout_percent: int | None,
+    validation_interval: int | None,
     as_json: bool,
     **options: Any,
 ) -> None:
@@ -85,12 +97,23 @@ def train_local(
     body = sft_config(options)
     if adapter_smoke_prompts_file is not None:
         body["adapter_smoke_prompts"] = read_smoke_prompts(adapter_smoke_prompts_file)
+    validation, _ = validation_body(
+        validation_data,
+        holdout_percent,
+        validation_interval,
+        as_dataset_path=True,  # finetune reads a validation dataset_path as any JSONL file
+        policy=None,
+    )
     try:
         config = parse_sft_config(body, field_path=("config",))  # before torch loads
         with stop_on_interrupt() as stop, quiet_library():
-            outcome = run_local(model_dir, data, config, output_dir, device, stop)
+            outcome = run_local(model_dir, data, config, output_dir, device, stop, validation)
     except KilnError as exc:
-        report_refusal(exc, row_notes(exc.message, row_lines(data), data))
+        notes = row_notes(exc.message, row_lines(data), data)
+        if validation_data is not None:
+            held_out = Path(validation_data)
+            notes += validation_row_notes(exc.message, row_lines(held_out), held_out)
+        report_refusal(exc, notes)
         sys.exit(EXIT_API_ERROR)
     except KeyboardInterrupt:
         click.echo("\nkiln: interrupted", err=True)
@@ -109,32 +132,52 @@ def train_local(
 
 
 def run_local(
-    model_dir: Path, data: Path, config: SftConfig, output_dir: Path, device: str, stop: StopRequest
+    model_dir: Path,
+    data: Path,
+    config: SftConfig,
+    output_dir: Path,
+    device: str,
+    stop: StopRequest,
+    validation: dict | None = None,
 ) -> dict:
-    """`finetune` with the progress line on stderr; the result as JSON values."""
+    """`finetune` with the progress line on stderr (each validation evaluation on a line of its
+    own, as `kiln train sft` prints them); the result as JSON values."""
     from kiln_train import finetune
 
     click.echo(f"loading {model_dir} on {device} ...", err=True)
     line = ProgressLine(rows_kept=0)
+    evaluations: list[dict] = []
+    last: dict = {"state": "running", "global_step": 0, "total_steps": 0, "current_loss": None}
 
     def progress(report) -> None:
         if not stop.training:  # the first step: the clock starts with the training
             stop.training = True
             line.started = time.monotonic() - report.step_ms / 1000
             line.rows_kept = report.total_steps // config.epochs
+        last.update(global_step=report.global_step, total_steps=report.total_steps, current_loss=report.loss)
+        show()
+
+    def on_evaluation(evaluation) -> None:
+        evaluations.append(evaluation.to_json())
+        if stop.training:  # the baseline comes before the first step; it shows with that step
+            show()
+
+    def show() -> None:
         line.show(
-            {
-                "state": "running",
-                "global_step": report.global_step,
-                "total_steps": report.total_steps,
-                "current_loss": report.loss,
-                "elapsed_secs": time.monotonic() - line.started,
-            }
+            {**last, "elapsed_secs": time.monotonic() - line.started, "validation_history": evaluations}
         )
 
     try:
         result = finetune(
-            model_dir, data, config, output_dir, progress=progress, should_stop=stop.is_set, device=device
+            model_dir,
+            data,
+            config,
+            output_dir,
+            progress=progress,
+            should_stop=stop.is_set,
+            device=device,
+            validation=validation,
+            on_evaluation=on_evaluation,
         )
     finally:
         line.finish()

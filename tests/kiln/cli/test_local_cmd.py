@@ -112,3 +112,54 @@ def test_a_missing_model_directory_is_a_usage_error(tmp_path):
     proc = kiln_local(tmp_path / "absent", data, tmp_path / "adapters")
     assert proc.returncode == 2, proc.stderr
     assert "--model" in proc.stderr and "does not exist" in proc.stderr
+
+
+@pytest.mark.slow
+def test_held_out_rows_are_evaluated_and_printed_and_kept_in_the_receipt(tmp_path, tiny_model_dir):
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(conversation(i) for i in range(2)) + "\n", encoding="utf-8")
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("\n".join(conversation(i) for i in range(5, 7)) + "\n", encoding="utf-8")
+    output = tmp_path / "adapters"
+    flags = [*RUN_FLAGS, "--validation-data", str(held_out), "--validation-interval", "1", "--json"]
+    proc = kiln_local(tiny_model_dir, data, output, *flags)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    evaluations = result["receipt"]["validation"]["evaluations"]
+    # the baseline, then every step (steps 2 and 4 are also epoch ends: evaluated once)
+    assert [e["global_step"] for e in evaluations] == [0, 1, 2, 3, 4]
+    assert [e["global_step"] for e in result["validation_history"]] == [0, 1, 2, 3, 4]
+    assert result["receipt"]["validation"]["rows"] == 2
+    baseline = evaluations[0]
+    assert f"validation at baseline (base model): loss {baseline['loss']:.4f}" in proc.stderr
+    last = evaluations[-1]
+    assert f"validation at step 4, epoch 2: loss {last['loss']:.4f}" in proc.stderr
+    assert proc.stderr.count("validation at ") == 5
+
+
+def test_a_bad_held_out_row_exits_1_naming_its_line(tmp_path, tiny_model_dir):
+    data = tmp_path / "rows.jsonl"
+    data.write_text(conversation(0) + "\n", encoding="utf-8")
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text(f"{conversation(1)}\n\nnot json\n", encoding="utf-8")
+    output = tmp_path / "adapters"
+    proc = kiln_local(tiny_model_dir, data, output, *RUN_FLAGS, "--validation-data", str(held_out))
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "kiln: training_invalid_request:" in proc.stderr
+    assert "SFT validation row 2" in proc.stderr and "invalid_json" in proc.stderr
+    assert f"note: SFT validation row 2 is line 3 of {held_out}" in proc.stderr
+    assert not output.exists()
+
+
+def test_validation_flags_that_contradict_each_other_are_usage_errors(tmp_path, tiny_model_dir):
+    data = tmp_path / "rows.jsonl"
+    data.write_text(conversation(0) + "\n", encoding="utf-8")
+    both = kiln_local(
+        tiny_model_dir, data, tmp_path / "a", "--validation-data", str(data), "--holdout-percent", "10"
+    )
+    assert both.returncode == 2 and "give --validation-data or --holdout-percent, not both" in both.stderr
+    alone = kiln_local(tiny_model_dir, data, tmp_path / "a", "--validation-interval", "2")
+    assert alone.returncode == 2
+    assert "--validation-interval needs --validation-data or --holdout-percent" in alone.stderr
+    assert not (tmp_path / "a").exists()
