@@ -161,7 +161,19 @@ def test_every_page_fits_a_phone_and_a_desktop(tab, stack):
                 "rows => rows.map(r => r.getBoundingClientRect().height)"
             )
             # an id or a hash wraps in a few lines; a row a screen tall is not a list one can read
-            assert max(heights, default=0) <= 160, (route, viewport, heights)
+            # (on a phone a row is a card of labelled cells: at most a quarter of the screen)
+            tallest = 160 if viewport is DESKTOP else viewport["height"] / 4
+            assert max(heights, default=0) <= tallest, (route, viewport, heights)
+            if viewport is PHONE:  # a phone shows every cell on screen, labelled with its column
+                cells = page.locator("main table:visible tbody td:visible").evaluate_all(
+                    "cells => cells.map(c => [c.getBoundingClientRect().right, c.dataset.label ?? null,"
+                    " getComputedStyle(c, '::before').content, c.closest('table').id])"
+                )
+                assert all(right <= viewport["width"] for right, *_ in cells), (route, cells)
+                labelled = [(label, before) for _, label, before, _ in cells if label is not None]
+                assert all(before == f'"{label}"' for label, before in labelled), (route, labelled)
+                if route == "jobs":
+                    assert {"Loss", "ETA", "Progress"} <= {label for label, _ in labelled}, labelled
             tab.shot(route or "overview", viewport)
 
 

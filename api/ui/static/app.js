@@ -41,6 +41,18 @@ function clear(node) {
   return node;
 }
 
+/** Give each body cell of a list table its column's name (`data-label`), which a phone shows
+ * beside the value when the rows are laid out as cards; a visually hidden header (actions) gives
+ * no label. */
+function labelCells(table) {
+  const names = [...table.tHead.rows[0].cells].map((th) => (th.querySelector(".sr") ? "" : th.textContent.trim()));
+  for (const row of table.tBodies[0].rows) {
+    [...row.cells].forEach((td, i) => {
+      if (names[i]) td.dataset.label = names[i];
+    });
+  }
+}
+
 function setText(id, value) {
   const node = document.getElementById(id);
   if (node) node.textContent = value === null || value === undefined ? "" : String(value);
@@ -1031,6 +1043,7 @@ async function showJobs() {
         el("td", { class: "num eta", text: eta }),
         actions));
     }
+    labelCells($("#jobs-table"));
   }, JOBS_POLL_MS);
 }
 
@@ -1395,6 +1408,7 @@ async function showAdapters() {
           await showAdapters();
         }))));
   }
+  labelCells($("#adapters-table"));
   const runs = jobs.filter((j) => j.global_step > 0).reverse()
     .map((j) => ({ value: j.job_id, label: `${j.adapter_name} (${j.state}, ${j.global_step} steps)` }));
   fillSelect($("#compare-a"), runs, "— run —");
@@ -1413,6 +1427,7 @@ async function showAdapters() {
         await showAdapters();
       }))));
   }
+  labelCells($("#datasets-table"));
   const form = $("#compare-form");
   form.onsubmit = (event) => {
     event.preventDefault();
