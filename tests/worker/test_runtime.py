@@ -254,7 +254,7 @@ def test_a_job_past_its_delivery_budget_fails(client, runtime, sessions, setting
     assert "gave up" in job.error_message and steps(sessions, job_id) == []
 
 
-def test_a_doorbell_runs_older_queued_jobs_first(client, runtime, sessions):
+def test_any_queue_message_runs_the_oldest_queued_job_first(client, runtime, sessions):
     """Messages may arrive out of admission order; execution still follows queue_seq (FIFO)."""
     ids = [submit(client, sft_body(1, output_name=unique_name(f"fifo{i}"))) for i in range(3)]
     assert runtime.run_job(ids[2]) == "completed"
