@@ -32,6 +32,8 @@ The checks live in `peft_upload` (1), `peft_config` (2), `peft_tensors` (3) and 
 this module plans and publishes. Torch-free: the api runs it.
 """
 
+from __future__ import annotations
+
 import hashlib
 import json
 import shutil
