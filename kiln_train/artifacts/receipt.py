@@ -288,6 +288,14 @@ def adapter_manifest(receipt: dict, hashes: dict, *, parent_adapter: str | None)
         "training_data_source": receipt["training_data"]["source"],
         "training_data_path": receipt["training_data"]["path"],
         "openenv_training_data": None,
+        **manifest_layout("train_receipt", TRAIN_RECEIPT),
+    }
+
+
+def manifest_layout(receipt_key: str, receipt_file: str) -> dict:
+    """The `target_modules` and `files` members of an adapter manifest; `files[receipt_key]` names
+    the adapter's receipt (`train_receipt` for a training run, `import_receipt` for a PEFT import)."""
+    return {
         "target_modules": {
             "full_attention": list(ATTENTION_TARGETS),
             "gated_deltanet": list(GDN_TARGETS),
@@ -296,6 +304,6 @@ def adapter_manifest(receipt: dict, hashes: dict, *, parent_adapter: str | None)
         "files": {
             "adapter_model": ADAPTER_MODEL,
             "adapter_config": ADAPTER_CONFIG,
-            "train_receipt": TRAIN_RECEIPT,
+            receipt_key: receipt_file,
         },
     }

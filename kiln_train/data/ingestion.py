@@ -25,13 +25,13 @@ would drop (`function_call`, `refusal`), fewer than 2 tokens, or no supervised t
 
 Policies: `fail` (the first rejected row rejects the submission: `training_invalid_request`,
 "SFT row <n> (<row_sha256>) rejected as <reason>: <detail>") and `skip` (rejected rows are
-recorded and logged; at least one row must remain). The receipt lives in `ingestion_receipt`.
+recorded and logged; at least one row must remain). The receipt lives in `ingestion_receipt`;
+reading the transports (and the dataset path rule) in `ingestion_sources`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -49,10 +49,7 @@ from kiln_train.data.conversation import (
     RowRejection,
     RowSchemaError,
     check_roles,
-    decode_json,
-    parse_example,
     prepare_for_template,
-    unrenderable_field,
 )
 from kiln_train.data.ingestion_receipt import (
     INGESTION_SCHEMA,
@@ -61,6 +58,13 @@ from kiln_train.data.ingestion_receipt import (
     build_ingestion_receipt,
     validate_ingestion_receipt,
 )
+from kiln_train.data.ingestion_sources import (
+    SourceRow,
+    example_rows,
+    jsonl_rows,
+    parse_row,
+    resolve_dataset_path,
+)
 from kiln_train.data.labels import MASK_CONTRACT, label_encoding
 from kiln_train.data.row_identity import (
     PARSED_ROW_DOMAIN,
@@ -68,14 +72,11 @@ from kiln_train.data.row_identity import (
     kept_corpus_sha256,
     parsed_row_sha256,
     raw_row_sha256,
-    serde_canonical_json,
 )
 from kiln_train.errors import invalid_request
 
 log = logging.getLogger(__name__)
 
-ASCII_WHITESPACE = b" \t\n\x0c\r"  # Rust's u8::is_ascii_whitespace
-UTF8_BOM = b"\xef\xbb\xbf"
 CHUNK_ROWS = 256  # rows rendered, then tokenized together with encode_batch
 
 __all__ = [
@@ -150,123 +151,6 @@ class IngestionTimings:
     label: float = 0.0
 
 
-# --------------------------------------------------------------------------- sources
-
-
-@dataclass(frozen=True)
-class _SourceRow:
-    """A non-blank row before checks: a decoded object (and, for inline rows, its parsed form),
-    or the raw line and why it did not parse."""
-
-    row_index: int
-    obj: object = None
-    raw: bytes | None = None
-    parse_error: str | None = None
-    parsed: tuple[dict, str, str | None] | None = None  # _parse's result, already checked
-
-
-def resolve_dataset_path(dataset_path: str, datasets_root: Path) -> Path:
-    """The file a `dataset_path` names, which must be a regular file inside `datasets_root`.
-
-    Relative paths are relative to `datasets_root`; absolute paths must point inside it. `..`
-    segments are refused outright, and the fully resolved path (symlinks followed) must stay
-    inside the resolved root.
-    """
-    if not isinstance(dataset_path, str) or not dataset_path.strip():
-        raise invalid_request("dataset_path must not be blank")
-    if "\0" in dataset_path:
-        raise invalid_request("dataset_path must not contain NUL bytes")
-    candidate = Path(dataset_path)
-    if ".." in candidate.parts:
-        raise invalid_request(f"dataset_path {dataset_path!r} must not contain '..' segments")
-    try:
-        root = Path(datasets_root).resolve(strict=True)
-    except OSError:
-        raise invalid_request(
-            f"dataset_path {dataset_path!r}: the server's datasets directory {datasets_root} does not exist"
-        ) from None
-    full = candidate if candidate.is_absolute() else root / candidate
-    if candidate.is_absolute() and not (
-        full.is_relative_to(root) or full.is_relative_to(Path(os.path.abspath(datasets_root)))
-    ):
-        raise invalid_request(f"dataset_path {dataset_path!r} is outside the server's datasets directory")
-    try:
-        resolved = full.resolve(strict=True)
-    except (OSError, RuntimeError):
-        raise invalid_request(
-            f"dataset_path {dataset_path!r} does not exist under the datasets directory"
-        ) from None
-    if not resolved.is_relative_to(root):
-        raise invalid_request(
-            f"dataset_path {dataset_path!r} resolves outside the server's datasets directory"
-        )
-    if not resolved.is_file():
-        raise invalid_request(f"dataset_path {dataset_path!r} is not a regular file")
-    return resolved
-
-
-def _jsonl_rows(path: Path) -> Iterator[_SourceRow]:
-    index = 0
-    with open(path, "rb") as f:
-        for raw_line in f:
-            line = raw_line.strip(ASCII_WHITESPACE)
-            if not line:
-                continue
-            index += 1
-            problem = _undecodable(line)
-            if problem is not None:
-                yield _SourceRow(index, raw=line, parse_error=problem)
-                continue
-            try:
-                obj = decode_json(line.decode("utf-8"))
-            except ValueError as exc:
-                yield _SourceRow(index, raw=line, parse_error=f"not valid JSON: {exc}")
-                continue
-            yield _SourceRow(index, obj=obj, raw=line)
-
-
-def _undecodable(line: bytes) -> str | None:
-    """Why a trimmed line is not UTF-8 JSON text at the byte level, or None."""
-    if line.startswith(UTF8_BOM):
-        return (
-            "not valid JSON: the line starts with a UTF-8 byte-order mark (U+FEFF); "
-            "JSONL rows are plain UTF-8 JSON (save the file as UTF-8 without BOM)"
-        )
-    try:
-        line.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return f"not valid JSON: invalid UTF-8 byte 0x{line[exc.start]:02x} at byte {exc.start} of the line"
-    return None
-
-
-def _parse(obj) -> tuple[dict, str]:
-    """(parsed row, canonical JSON, unrenderable field detail or None); RowSchemaError when `obj`
-    is not an SFT example."""
-    parsed = parse_example(obj)
-    try:
-        canonical = serde_canonical_json(parsed)
-        canonical.encode("utf-8")  # lone surrogates cannot be hashed (nor sent by a JSON encoder)
-    except (TypeError, ValueError) as exc:  # TypeError: a Python caller's non-JSON value or key
-        raise RowSchemaError("example", f"not representable as JSON: {exc}") from None
-    return parsed, canonical, unrenderable_field(obj)
-
-
-def _example_rows(examples: list, t: IngestionTimings, field: str = "examples") -> list[_SourceRow]:
-    """Inline examples are one request body: every example must deserialise before any row is
-    processed, so a malformed example is reported as the transport error it is
-    (docs/ingestion.md#validation). `field` is the request field the examples came from
-    (`validation.examples` for held-out rows)."""
-    t0 = time.perf_counter()
-    rows = []
-    for i, obj in enumerate(examples):
-        try:
-            rows.append(_SourceRow(i + 1, parsed=_parse(obj)))
-        except RowSchemaError as exc:
-            raise invalid_request(f"{field}[{i}]: {exc.detail}") from None
-    t.parse_hash += time.perf_counter() - t0
-    return rows
-
-
 # --------------------------------------------------------------------------- the row pipeline
 
 
@@ -277,14 +161,14 @@ class _Pending:
     rendered: RenderedConversation
 
 
-def _front(row: _SourceRow, template: ChatTemplate, t: IngestionTimings):
+def _front(row: SourceRow, template: ChatTemplate, t: IngestionTimings):
     """Parse, hash, check and render one row: a RowOutcome (rejected) or a _Pending (rendered)."""
     t0 = time.perf_counter()
     if row.parse_error is not None:
         t.parse_hash += time.perf_counter() - t0
         return RowOutcome(row.row_index, raw_row_sha256(row.raw), reason=INVALID_JSON, detail=row.parse_error)
     try:
-        parsed, canonical, unrenderable = row.parsed if row.parsed is not None else _parse(row.obj)
+        parsed, canonical, unrenderable = row.parsed if row.parsed is not None else parse_row(row.obj)
     except RowSchemaError as exc:
         t.parse_hash += time.perf_counter() - t0
         return RowOutcome(row.row_index, raw_row_sha256(row.raw), reason=INVALID_JSON, detail=exc.detail)
@@ -372,7 +256,7 @@ def _back(pending: list[_Pending], tokenizer, t: IngestionTimings) -> list[RowOu
 
 
 def _outcomes(
-    rows: Iterable[_SourceRow],
+    rows: Iterable[SourceRow],
     tokenizer,
     template: ChatTemplate | None,
     timings: IngestionTimings,
@@ -407,14 +291,17 @@ def iter_example_outcomes(
     as `<field>[<index>]`.
     """
     timings = timings or IngestionTimings()
-    return _outcomes(_example_rows(list(examples), timings, field), tokenizer, template, timings)
+    t0 = time.perf_counter()
+    rows = example_rows(list(examples), field)
+    timings.parse_hash += time.perf_counter() - t0
+    return _outcomes(rows, tokenizer, template, timings)
 
 
 def iter_jsonl_outcomes(
     path: Path, *, tokenizer, template: ChatTemplate | None = None, timings: IngestionTimings | None = None
 ) -> Iterator[RowOutcome]:
     """Every non-blank JSONL row's outcome in order (no policy applied)."""
-    return _outcomes(_jsonl_rows(Path(path)), tokenizer, template, timings or IngestionTimings())
+    return _outcomes(jsonl_rows(Path(path)), tokenizer, template, timings or IngestionTimings())
 
 
 # --------------------------------------------------------------------------- policy and receipt

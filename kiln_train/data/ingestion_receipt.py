@@ -28,11 +28,8 @@ from kiln_train.errors import KilnError, invalid_request
 INGESTION_SCHEMA = "kiln.sft-ingestion.v1"
 SOURCES = ("inline", "dataset_path", "named_dataset", "corrections", "recipe", "rust_api")
 POLICIES = ("fail", "skip")
-RECEIPT_FIELDS = (
-    "schema",
-    "source",
-    "source_locator",
-    "invalid_row_policy",
+# The row accounting the receipt and its `validation` part both end with (`_row_accounting`).
+ROW_ACCOUNTING_FIELDS = (
     "rows_read",
     "rows_kept",
     "rows_rejected",
@@ -40,20 +37,11 @@ RECEIPT_FIELDS = (
     "rejected_rows",
     "kept_corpus_sha256",
 )
+RECEIPT_FIELDS = ("schema", "source", "source_locator", "invalid_row_policy", *ROW_ACCOUNTING_FIELDS)
 REJECTED_ROW_FIELDS = ("row_index", "row_sha256", "reason")
 VALIDATION_KEY = "validation"
 VALIDATION_SOURCES = ("inline", "dataset_path", "holdout")
-VALIDATION_PART_FIELDS = (
-    "source",
-    "source_locator",
-    "holdout_percent",
-    "rows_read",
-    "rows_kept",
-    "rows_rejected",
-    "kept_row_hashes",
-    "rejected_rows",
-    "kept_corpus_sha256",
-)
+VALIDATION_PART_FIELDS = ("source", "source_locator", "holdout_percent", *ROW_ACCOUNTING_FIELDS)
 
 
 def build_ingestion_receipt(
@@ -68,17 +56,22 @@ def build_ingestion_receipt(
     receipt: dict = {"schema": INGESTION_SCHEMA, "source": source}
     if source_locator is not None:
         receipt["source_locator"] = source_locator
-    receipt.update(
-        invalid_row_policy=policy,
-        rows_read=rows_read,
-        rows_kept=len(kept_row_hashes),
-        rows_rejected=len(rejected_rows),
-        kept_row_hashes=list(kept_row_hashes),
-        rejected_rows=[dict(r) for r in rejected_rows],
-        kept_corpus_sha256=kept_corpus_sha256(kept_row_hashes),
-    )
+    receipt["invalid_row_policy"] = policy
+    receipt.update(_row_accounting(rows_read, kept_row_hashes, rejected_rows))
     validate_ingestion_receipt(receipt)
     return receipt
+
+
+def _row_accounting(rows_read: int, kept_row_hashes: list[str], rejected_rows: list[dict]) -> dict:
+    """The `ROW_ACCOUNTING_FIELDS` members, in that order."""
+    return {
+        "rows_read": rows_read,
+        "rows_kept": len(kept_row_hashes),
+        "rows_rejected": len(rejected_rows),
+        "kept_row_hashes": list(kept_row_hashes),
+        "rejected_rows": [dict(r) for r in rejected_rows],
+        "kept_corpus_sha256": kept_corpus_sha256(kept_row_hashes),
+    }
 
 
 def build_validation_part(
@@ -95,14 +88,7 @@ def build_validation_part(
         part["source_locator"] = source_locator
     if holdout_percent is not None:
         part["holdout_percent"] = holdout_percent
-    part.update(
-        rows_read=rows_read,
-        rows_kept=len(kept_row_hashes),
-        rows_rejected=len(rejected_rows),
-        kept_row_hashes=list(kept_row_hashes),
-        rejected_rows=[dict(r) for r in rejected_rows],
-        kept_corpus_sha256=kept_corpus_sha256(kept_row_hashes),
-    )
+    part.update(_row_accounting(rows_read, kept_row_hashes, rejected_rows))
     return part
 
 

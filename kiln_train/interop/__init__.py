@@ -8,10 +8,11 @@ that trip (docs/interop.md):
   hashes and token digests, the ingestion receipt, the tokenizer, the model config, the training
   chat template (with `{% generation %}` blocks), the initial adapter Kiln would start from, the
   TRL runner `train.py` and its `requirements.lock`, and the manifest `kiln_hf_export.json`
-  (schema `kiln.hf-trl-export.v1`) that hashes every file.
+  (schema `kiln.hf-trl-export.v1`) that hashes every file; `bundle_rows` writes `train.jsonl`,
+  `bundle_fidelity` the manifest's `profile_fidelity` table.
 - `runner/train.py`: the pinned TRL runner shipped in every bundle (package data).
-- `peft_import`: the checks a PEFT LoRA adapter passes before Kiln registers it, and its
-  publication with an import receipt.
+- `peft_import`: the checks a PEFT LoRA adapter passes before Kiln registers it (`peft_upload`,
+  `peft_config`, `peft_tensors`, `peft_run`), and its publication with an import receipt.
 - `lora_init`, `safetensors_io`: torch-free pieces both need (the seeded LoRA initialisation,
   reproduced bit for bit; reading and writing safetensors files without torch).
 

@@ -16,11 +16,11 @@ import needs to recognise it:
 A `train.jsonl` line holds the step (1-based), its epoch and position, the row's index in the
 source and its `kiln.sft-parsed-row.v1` hash, the parsed row itself, the messages and tools as
 Kiln hands them to the template, and Kiln's token ids and supervised token ranges for the row, so
-the runner can refuse a run whose tokenization differs from Kiln's before any step.
+the runner can refuse a run whose tokenization differs from Kiln's before any step (`bundle_rows`).
 
 The manifest binds the base model, tokenizer and template identities, the LoRA shape and the ten
 targets, the optimizer and seed, the data order, a table of how closely the runner follows the
-native profile (`profile_fidelity`), and the SHA-256 of every other file. `bundle_digest` is the
+native profile (`bundle_fidelity`), and the SHA-256 of every other file. `bundle_digest` is the
 SHA-256 of the manifest's canonical JSON without that one field, so it covers every file (through
 its hash) and every recorded fact.
 
@@ -40,16 +40,15 @@ from pathlib import Path
 
 from kiln_train.artifacts.adapter import ADAPTER_CONFIG, ADAPTER_MODEL, adapter_config
 from kiln_train.artifacts.digest import json_sha256, sha256_prefixed
-from kiln_train.checkpoint.epoch_order import EPOCH_ORDER_ALGORITHM, epoch_order
+from kiln_train.checkpoint.epoch_order import EPOCH_ORDER_ALGORITHM
 from kiln_train.checkpoint.fs import fsync_dir, fsync_tree, rename_no_replace, write_new_file
 from kiln_train.data.chat_template import TRAINING_TEMPLATE_FILE
-from kiln_train.data.conversation import RowRejection, decode_json, parse_example, prepare_for_template
-from kiln_train.data.ingestion import ASCII_WHITESPACE, IngestionResult
-from kiln_train.data.labels import IGNORE_INDEX, MASK_CONTRACT
-from kiln_train.data.row_identity import parsed_row_sha256
-from kiln_train.data.row_identity import serde_canonical_json as row_canonical_json
+from kiln_train.data.ingestion import IngestionResult
+from kiln_train.data.labels import MASK_CONTRACT
 from kiln_train.errors import invalid_request
 from kiln_train.interop import safetensors_io
+from kiln_train.interop.bundle_fidelity import profile_fidelity
+from kiln_train.interop.bundle_rows import step_orders, train_lines
 from kiln_train.interop.errors import HF_EXPORT_ALREADY_EXISTS, HF_EXPORT_UNSUPPORTED, InteropError
 from kiln_train.interop.lora_init import LORA_INIT_ALGORITHM
 from kiln_train.model.config import LORA_TARGET_MODULES, Qwen35Config
@@ -189,213 +188,11 @@ class InitialAdapter:
     input_adapter: dict | None = None  # {"name", "adapter_model_sha256"}
 
 
-# ----- the rows ------------------------------------------------------------------------------------
-
-
-def jsonl_objects(path: Path) -> dict[int, object]:
-    """Row index (1-based among non-blank lines, as ingestion numbers them) -> decoded JSON, for
-    every line that decodes (the others were rejected and are never exported)."""
-    out: dict[int, object] = {}
-    index = 0
-    with open(path, "rb") as f:
-        for raw_line in f:
-            line = raw_line.strip(ASCII_WHITESPACE)
-            if not line:
-                continue
-            index += 1
-            try:
-                out[index] = decode_json(line.decode("utf-8"))
-            except (UnicodeDecodeError, ValueError):
-                continue
-    return out
-
-
-def label_ranges(labels: list[int]) -> list[list[int]]:
-    """Token index ranges `[start, end)` whose labels are supervised."""
-    ranges: list[list[int]] = []
-    start = None
-    for i, label in enumerate([*labels, IGNORE_INDEX]):
-        if label != IGNORE_INDEX and start is None:
-            start = i
-        elif label == IGNORE_INDEX and start is not None:
-            ranges.append([start, i])
-            start = None
-    return ranges
-
-
-def _row_record(row, source_obj) -> dict:
-    """What train.jsonl says about one kept row (the step fields are added per step)."""
-    parsed = parse_example(source_obj)
-    canonical = row_canonical_json(parsed)
-    if parsed_row_sha256(parsed) != row.row_sha256:
-        raise RuntimeError(f"row {row.row_index}: the source row no longer hashes to {row.row_sha256}")
-    try:
-        conversation = prepare_for_template(parsed, canonical)
-    except RowRejection as exc:  # ingestion kept it, so this is not reachable with the same code
-        raise RuntimeError(f"row {row.row_index}: {exc}") from None
-    return {
-        "row_index": row.row_index,
-        "row_sha256": row.row_sha256,
-        "row": parsed,
-        "messages": conversation.messages,
-        "tools": conversation.tools,
-        "input_ids": list(row.input_ids),
-        "supervised_ranges": label_ranges(row.labels),
-        "tokens": row.seq_len,
-        "supervised_tokens": row.supervised_tokens,
-    }
-
-
-def step_orders(seed: int, epochs: int, n: int) -> list[list[int]]:
-    """Kiln's per-epoch item orders (indices into the kept rows)."""
-    return [epoch_order(seed, e, n) for e in range(epochs)]
-
-
-def train_lines(ingestion: IngestionResult, sources: dict[int, object], orders: list[list[int]]) -> bytes:
-    records = [_row_record(row, sources[row.row_index]) for row in ingestion.rows]
-    out = []
-    step = 0
-    for epoch, order in enumerate(orders):
-        for position, item in enumerate(order):
-            step += 1
-            line = {"step": step, "epoch": epoch, "position": position, "item": item, **records[item]}
-            out.append(json.dumps(line, ensure_ascii=False, separators=(",", ":"), allow_nan=False))
-    return ("\n".join(out) + "\n").encode("utf-8")
-
-
 # ----- the manifest --------------------------------------------------------------------------------
 
 
 def optimizer_record(config: SftConfig) -> dict:
     return {"learning_rate": config.learning_rate, **config.optimizer.model_dump(mode="json")}
-
-
-def profile_fidelity(config: SftConfig, resident: ResidentFacts) -> list[dict]:
-    """How closely `train.py` follows `native_online_lora_v1`, aspect by aspect.
-
-    `agreement`: `exact` (the same operations on the same values), `rounding` (the same math,
-    different floating-point rounding: Kiln's kernels against transformers'), `differs` (the runner
-    does something else; the note says what).
-    """
-    kind = config.optimizer.kind
-    f32 = resident.base_weight_dtype == "f32" and resident.lora_dtype == "f32"
-
-    def row(aspect: str, kiln: str, runner: str, agreement: str) -> dict:
-        return {"aspect": aspect, "kiln": kiln, "trl_runner": runner, "agreement": agreement}
-
-    optimizer = {
-        "sgd": row(
-            "optimizer",
-            "sgd: p <- p - lr * g on every LoRA leaf",
-            "optim=sgd: torch.optim.SGD (no momentum, dampening or weight decay)",
-            "exact",
-        ),
-        "adam_w": row(
-            "optimizer",
-            "adam_w: the single-tensor torch.optim.AdamW update (decoupled decay, bias correction)",
-            "optim=adamw_torch: torch.optim.AdamW with the exported betas, eps and weight decay on every "
-            "LoRA leaf (on CUDA torch may pick its foreach kernels: same math, other rounding)",
-            "exact" if f32 else "rounding",
-        ),
-    }[kind]
-    return [
-        row(
-            "rows",
-            "one admitted conversation per optimizer step; nothing truncated, packed, split or dropped",
-            "pre-tokenized rows, batch size 1, packing off, padding-free off, max_length None",
-            "exact",
-        ),
-        row(
-            "order",
-            f"epochs x rows steps; each epoch in the order {EPOCH_ORDER_ALGORITHM} draws from the seed",
-            "train.jsonl lists every step in that order; sequential sampler, one pass (num_train_epochs 1)",
-            "exact",
-        ),
-        row(
-            "tokens_and_labels",
-            f"Kiln's training template and assistant-only labels ({MASK_CONTRACT})",
-            "transformers apply_chat_template with the bundled template and return_assistant_tokens_mask "
-            "(the call TRL's SFTTrainer makes); TRL builds the labels from the masks; train.py refuses to "
-            "train when any row's token ids or supervised positions differ from Kiln's",
-            "exact",
-        ),
-        row(
-            "initial_adapter",
-            f"{LORA_INIT_ALGORITHM} from the seed, or the base adapter's tensors",
-            "PEFT loads initial_adapter/ (trainable), no re-initialisation",
-            "exact",
-        ),
-        row(
-            "lora",
-            "r and alpha on the ten targets, scale alpha/r, no dropout, no bias, nothing else trainable",
-            "PEFT LoRA with the same r, alpha and targets, lora_dropout 0, bias none; train.py checks the "
-            "trainable parameters are exactly the LoRA leaves",
-            "exact",
-        ),
-        row(
-            "loss",
-            "mean next-token cross-entropy over the supervised targets, f32 accumulation, chunked linear "
-            f"cross-entropy ({resident.loss_route})",
-            "transformers' causal LM loss on dense logits: summed over supervised targets, divided by "
-            "their count (num_items_in_batch)",
-            "rounding",
-        ),
-        row(
-            "model",
-            "Kiln's Qwen3.5 implementation",
-            "transformers Qwen3_5ForCausalLM (its torch gated delta rule and causal conv on CPU)",
-            "rounding",
-        ),
-        optimizer,
-        row(
-            "learning_rate",
-            "constant, no warmup or schedule",
-            "lr_scheduler_type constant, warmup 0",
-            "exact",
-        ),
-        row("gradient_clipping", "none", "max_grad_norm 0 (off)", "exact"),
-        row("gradient_accumulation", "none", "gradient_accumulation_steps 1", "exact"),
-        row(
-            "precision",
-            f"base weights {resident.base_weight_dtype}, LoRA leaves {resident.lora_dtype}",
-            "float32 model and LoRA leaves (the default --dtype this manifest names)"
-            if f32
-            else "bfloat16 model and LoRA leaves (autocast_adapter_dtype off); torch's eager optimizer "
-            "rounds after every operation where Kiln rounds once",
-            "exact" if f32 else "rounding",
-        ),
-        row(
-            "gradient_checkpointing",
-            "segment recomputation (values unchanged)",
-            "off (values unchanged)",
-            "exact",
-        ),
-        row(
-            "non_finite_loss",
-            "a non-finite loss fails the run (nan_loss); no adapter",
-            "train.py stops at the first non-finite loss and writes no adapter",
-            "exact",
-        ),
-        row(
-            "divergence_guard",
-            f"an epoch mean loss above {DIVERGENCE_RATIO:g}x the first epoch's and {DIVERGENCE_MARGIN:g} above "
-            "the best epoch's fails the run",
-            "train.py applies the same rule at each epoch end and stops without an adapter",
-            "exact",
-        ),
-        row(
-            "checkpoints",
-            "exact checkpoints (optimizer state, cursor, RNG) that resume bit for bit",
-            "none (save_strategy no); an interrupted TRL run starts again from step 0",
-            "differs",
-        ),
-        row(
-            "epoch_accounting",
-            "epoch i covers steps i*rows+1 .. (i+1)*rows",
-            "TRL counts one epoch over all steps; train.py records each step's Kiln epoch",
-            "differs",
-        ),
-    ]
 
 
 def _file_entry(data: bytes) -> dict:
@@ -449,25 +246,9 @@ def build_bundle(
     refuse_unsupported_optimizer(config.optimizer.kind)
     if config.seed is None or config.learning_rate is None:
         raise ValueError("build_bundle needs the effective config (SftConfig.resolve())")
-    n = len(ingestion.rows)
-    orders = step_orders(config.seed, config.epochs, n)
-    model_dir = Path(resident.model_dir)
-    files: dict[str, bytes] = {
-        TRAIN_FILE: train_lines(ingestion, sources, orders),
-        RECEIPT_FILE: (json.dumps(ingestion.receipt, indent=2, ensure_ascii=False) + "\n").encode("utf-8"),
-        TOKENIZER_FILE: (model_dir / TOKENIZER_FILE).read_bytes(),
-        CONFIG_FILE: (model_dir / CONFIG_FILE).read_bytes(),
-        TEMPLATE_FILE: TRAINING_TEMPLATE_FILE.read_bytes(),
-        f"{INITIAL_ADAPTER_DIR}/{ADAPTER_MODEL}": safetensors_io.dump(initial.tensors, {"format": "pt"}),
-        f"{INITIAL_ADAPTER_DIR}/{ADAPTER_CONFIG}": (
-            json.dumps(adapter_config(config.lora_rank, config.lora_alpha), indent=2) + "\n"
-        ).encode("utf-8"),
-        RUNNER_FILE: runner_bytes(RUNNER_FILE),
-        LOCK_FILE: runner_bytes(LOCK_FILE),
-    }
+    orders = step_orders(config.seed, config.epochs, len(ingestion.rows))
+    files = _bundle_files(resident, config, ingestion, sources, orders, initial)
     _check_identity(files, resident)
-    receipt = ingestion.receipt
-    lock = parse_lock(files[LOCK_FILE].decode("utf-8"))
     manifest: dict = {
         "schema": EXPORT_SCHEMA,
         "name": name,
@@ -483,59 +264,12 @@ def build_bundle(
             "lora_dtype": resident.lora_dtype,
             "loss_route": resident.loss_route,
         },
-        "lora": {
-            "rank": config.lora_rank,
-            "alpha": config.lora_alpha,
-            "scale": config.lora_alpha / config.lora_rank,
-            "target_modules": list(LORA_TARGET_MODULES),
-            "dropout": 0.0,
-            "bias": "none",
-            "initial_adapter": {
-                "source": initial.source,
-                "algorithm": LORA_INIT_ALGORITHM if initial.source == "seeded" else None,
-                "seed": str(initial.seed),
-                "input_adapter": initial.input_adapter,
-                "dir": INITIAL_ADAPTER_DIR,
-                "adapter_model_sha256": sha256_prefixed(files[f"{INITIAL_ADAPTER_DIR}/{ADAPTER_MODEL}"]),
-            },
-        },
+        "lora": _lora_record(config, initial, files),
         "optimizer": optimizer_record(config),
         "seed": str(config.seed),
-        "schedule": {
-            "epochs": config.epochs,
-            "rows_kept": n,
-            "total_steps": config.epochs * n,
-            "batch_size": 1,
-            "gradient_accumulation_steps": 1,
-            "learning_rate_schedule": "constant",
-            "warmup_steps": 0,
-            "max_grad_norm": None,
-            "order_algorithm": EPOCH_ORDER_ALGORITHM,
-            "epoch_orders": orders,
-            "divergence_guard": {"ratio": DIVERGENCE_RATIO, "margin": DIVERGENCE_MARGIN},
-        },
-        "data": {
-            "source": receipt["source"],
-            "source_locator": receipt.get("source_locator"),
-            "invalid_row_policy": receipt["invalid_row_policy"],
-            "rows_read": receipt["rows_read"],
-            "rows_kept": receipt["rows_kept"],
-            "rows_rejected": receipt["rows_rejected"],
-            "kept_corpus_sha256": receipt["kept_corpus_sha256"],
-            "ingestion_receipt_sha256": json_sha256(receipt),
-            "mask_contract": MASK_CONTRACT,
-            "total_tokens": ingestion.total_tokens,
-            "total_supervised_tokens": ingestion.total_supervised_tokens,
-            "train_file": TRAIN_FILE,
-            "receipt_file": RECEIPT_FILE,
-        },
-        "trl_runner": {
-            "script": RUNNER_FILE,
-            "requirements": LOCK_FILE,
-            "enforced_pins": {p: lock[p] for p in ENFORCED_PINS if p in lock},
-            "dtype": "float32" if resident.base_weight_dtype == "f32" else "bfloat16",
-            "command": "python train.py --model <base model directory> --output-dir trl-output",
-        },
+        "schedule": _schedule_record(config, len(ingestion.rows), orders),
+        "data": _data_record(ingestion),
+        "trl_runner": _runner_record(resident, files),
         "profile_fidelity": profile_fidelity(config, resident),
     }
     manifest["files"] = {}  # README.md is written from the manifest, then hashed with the rest
@@ -547,6 +281,96 @@ def build_bundle(
         write_new_file(directory / rel, data)
     write_new_file(directory / MANIFEST, (json.dumps(manifest, indent=2, ensure_ascii=False) + "\n").encode())
     return manifest
+
+
+def _bundle_files(
+    resident: ResidentFacts,
+    config: SftConfig,
+    ingestion: IngestionResult,
+    sources: dict[int, object],
+    orders: list[list[int]],
+    initial: InitialAdapter,
+) -> dict[str, bytes]:
+    """Every file of the bundle but the README and the manifest, by path inside the bundle."""
+    model_dir = Path(resident.model_dir)
+    return {
+        TRAIN_FILE: train_lines(ingestion, sources, orders),
+        RECEIPT_FILE: (json.dumps(ingestion.receipt, indent=2, ensure_ascii=False) + "\n").encode("utf-8"),
+        TOKENIZER_FILE: (model_dir / TOKENIZER_FILE).read_bytes(),
+        CONFIG_FILE: (model_dir / CONFIG_FILE).read_bytes(),
+        TEMPLATE_FILE: TRAINING_TEMPLATE_FILE.read_bytes(),
+        f"{INITIAL_ADAPTER_DIR}/{ADAPTER_MODEL}": safetensors_io.dump(initial.tensors, {"format": "pt"}),
+        f"{INITIAL_ADAPTER_DIR}/{ADAPTER_CONFIG}": (
+            json.dumps(adapter_config(config.lora_rank, config.lora_alpha), indent=2) + "\n"
+        ).encode("utf-8"),
+        RUNNER_FILE: runner_bytes(RUNNER_FILE),
+        LOCK_FILE: runner_bytes(LOCK_FILE),
+    }
+
+
+def _lora_record(config: SftConfig, initial: InitialAdapter, files: dict[str, bytes]) -> dict:
+    return {
+        "rank": config.lora_rank,
+        "alpha": config.lora_alpha,
+        "scale": config.lora_alpha / config.lora_rank,
+        "target_modules": list(LORA_TARGET_MODULES),
+        "dropout": 0.0,
+        "bias": "none",
+        "initial_adapter": {
+            "source": initial.source,
+            "algorithm": LORA_INIT_ALGORITHM if initial.source == "seeded" else None,
+            "seed": str(initial.seed),
+            "input_adapter": initial.input_adapter,
+            "dir": INITIAL_ADAPTER_DIR,
+            "adapter_model_sha256": sha256_prefixed(files[f"{INITIAL_ADAPTER_DIR}/{ADAPTER_MODEL}"]),
+        },
+    }
+
+
+def _schedule_record(config: SftConfig, n: int, orders: list[list[int]]) -> dict:
+    return {
+        "epochs": config.epochs,
+        "rows_kept": n,
+        "total_steps": config.epochs * n,
+        "batch_size": 1,
+        "gradient_accumulation_steps": 1,
+        "learning_rate_schedule": "constant",
+        "warmup_steps": 0,
+        "max_grad_norm": None,
+        "order_algorithm": EPOCH_ORDER_ALGORITHM,
+        "epoch_orders": orders,
+        "divergence_guard": {"ratio": DIVERGENCE_RATIO, "margin": DIVERGENCE_MARGIN},
+    }
+
+
+def _data_record(ingestion: IngestionResult) -> dict:
+    receipt = ingestion.receipt
+    return {
+        "source": receipt["source"],
+        "source_locator": receipt.get("source_locator"),
+        "invalid_row_policy": receipt["invalid_row_policy"],
+        "rows_read": receipt["rows_read"],
+        "rows_kept": receipt["rows_kept"],
+        "rows_rejected": receipt["rows_rejected"],
+        "kept_corpus_sha256": receipt["kept_corpus_sha256"],
+        "ingestion_receipt_sha256": json_sha256(receipt),
+        "mask_contract": MASK_CONTRACT,
+        "total_tokens": ingestion.total_tokens,
+        "total_supervised_tokens": ingestion.total_supervised_tokens,
+        "train_file": TRAIN_FILE,
+        "receipt_file": RECEIPT_FILE,
+    }
+
+
+def _runner_record(resident: ResidentFacts, files: dict[str, bytes]) -> dict:
+    lock = parse_lock(files[LOCK_FILE].decode("utf-8"))
+    return {
+        "script": RUNNER_FILE,
+        "requirements": LOCK_FILE,
+        "enforced_pins": {p: lock[p] for p in ENFORCED_PINS if p in lock},
+        "dtype": "float32" if resident.base_weight_dtype == "f32" else "bfloat16",
+        "command": "python train.py --model <base model directory> --output-dir trl-output",
+    }
 
 
 def _check_identity(files: dict[str, bytes], resident: ResidentFacts) -> None:

@@ -28,6 +28,7 @@ from kiln_train.errors import TrainingFailure, invalid_request
 from kiln_train.interop import bundle as bundle_mod
 from kiln_train.interop import safetensors_io
 from kiln_train.interop.bundle import InitialAdapter, ResidentFacts
+from kiln_train.interop.bundle_rows import jsonl_objects
 from kiln_train.interop.errors import HF_EXPORT_ALREADY_EXISTS, InteropError
 from kiln_train.interop.lora_init import seeded_lora_tensors
 from kiln_train.sft_config import SftConfig
@@ -114,7 +115,7 @@ def export_sft(
             source="dataset_path",
             source_locator=dataset_locator,
         )
-        sources = bundle_mod.jsonl_objects(dataset)
+        sources = jsonl_objects(dataset)
     if initial_tensors is None:
         initial = InitialAdapter(
             seeded_lora_tensors(resident.model, config.lora_rank, config.seed), "seeded", config.seed
