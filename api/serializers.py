@@ -136,16 +136,15 @@ def _thin(rows: list, limit: int) -> list:
     return [*(rows[int(i * stride)] for i in range(limit - 1)), rows[-1]]
 
 
+# The ValidationSample fields a `validation_evaluations` row holds under the same names.
+EVALUATION_FIELDS = ("global_step", "epoch", "loss", "token_accuracy", "supervised_tokens", "rows")
+
+
 def validation_samples(job: Job, evaluations: list[ValidationEvaluation]) -> list[schemas.ValidationSample]:
     """The validation curve (thinned like the loss curve)."""
     return [
         schemas.ValidationSample(
-            global_step=e.global_step,
-            epoch=e.epoch,
-            loss=e.loss,
-            token_accuracy=e.token_accuracy,
-            supervised_tokens=e.supervised_tokens,
-            rows=e.rows,
+            **{name: getattr(e, name) for name in EVALUATION_FIELDS},
             **_curve_position(job, e.global_step, e.evaluated_at),
         )
         for e in _thin(evaluations, LOSS_HISTORY_MAX)
