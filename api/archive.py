@@ -1,4 +1,4 @@
-"""A directory as a streamed gzip tar (`GET /v1/adapters/{name}/download`).
+"""A directory as a streamed gzip tar (`GET /v1/adapters/{name}/download`, the HF export downloads).
 
 Written block by block — tar headers from `tarfile.TarInfo`, file bytes in 1 MiB chunks, a gzip
 stream from zlib — so a multi-GiB adapter never sits in memory and the first bytes leave at once.
@@ -13,6 +13,8 @@ import tarfile
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+
+from flask import Response, current_app
 
 CHUNK = 1 << 20
 BLOCK = tarfile.BLOCKSIZE  # 512
@@ -61,3 +63,13 @@ def stream_tar_gz(root: Path, arcroot: str) -> Iterator[bytes]:
         if out:
             yield out
     yield gz.flush()
+
+
+def tar_gz_download(root: Path, arcroot: str) -> Response:
+    """The streamed `stream_tar_gz(root, arcroot)` as an attachment named `<arcroot>.tar.gz`."""
+    return current_app.response_class(
+        stream_tar_gz(root, arcroot),
+        mimetype="application/gzip",
+        headers={"Content-Disposition": f'attachment; filename="{arcroot}.tar.gz"'},
+        direct_passthrough=True,
+    )

@@ -123,10 +123,7 @@ def preflight_sft(svc: Services, body: object) -> PreflightResponse:
             f"{segments.num_segments} checkpoint segment(s); nothing was queued"
         ),
         runner_id=target.runner_id,
-        rows_read=receipt["rows_read"],
-        rows_kept=receipt["rows_kept"],
-        rows_rejected=receipt["rows_rejected"],
-        rejected_rows=[PreflightRejectedRow(**r) for r in receipt["rejected_rows"]],
+        **_row_counts(receipt),
         epochs=config.epochs,
         total_steps=total_steps,
         grad_checkpoint_segments=segments.num_segments,
@@ -149,6 +146,17 @@ def preflight_sft(svc: Services, body: object) -> PreflightResponse:
         kept_corpus_sha256=receipt["kept_corpus_sha256"],
         validation=_validation(plan, total_steps, rows),
     )
+
+
+def _row_counts(receipt: dict[str, Any]) -> dict[str, Any]:
+    """The preflight fields of what ingestion did with the rows (an ingestion receipt, or the
+    validation part of one)."""
+    return {
+        "rows_read": receipt["rows_read"],
+        "rows_kept": receipt["rows_kept"],
+        "rows_rejected": receipt["rows_rejected"],
+        "rejected_rows": [PreflightRejectedRow(**r) for r in receipt["rejected_rows"]],
+    }
 
 
 def evaluation_count(total_steps: int, rows: int, interval: int | None, start: int = 0) -> int:
@@ -174,10 +182,7 @@ def _validation(plan, total_steps: int, rows: int) -> PreflightValidation | None
         source=part["source"],
         holdout_percent=part.get("holdout_percent"),
         interval_steps=validation.interval_steps,
-        rows_read=part["rows_read"],
-        rows_kept=part["rows_kept"],
-        rows_rejected=part["rows_rejected"],
-        rejected_rows=[PreflightRejectedRow(**r) for r in part["rejected_rows"]],
+        **_row_counts(part),
         max_seq_len=validation.max_seq_len,
         max_supervised_tokens=validation.max_supervised_tokens,
         total_tokens=validation.total_tokens,

@@ -136,24 +136,26 @@ def _thin(rows: list, limit: int) -> list:
     return [*(rows[int(i * stride)] for i in range(limit - 1)), rows[-1]]
 
 
+# The ValidationSample fields a `validation_evaluations` row holds under the same names.
+EVALUATION_FIELDS = ("global_step", "epoch", "loss", "token_accuracy", "supervised_tokens", "rows")
+
+
 def validation_samples(job: Job, evaluations: list[ValidationEvaluation]) -> list[schemas.ValidationSample]:
     """The validation curve (thinned like the loss curve)."""
-    total = max(job.total_steps, 1)
     return [
         schemas.ValidationSample(
-            global_step=e.global_step,
-            epoch=e.epoch,
-            progress=min(1.0, e.global_step / total),
-            loss=e.loss,
-            token_accuracy=e.token_accuracy,
-            supervised_tokens=e.supervised_tokens,
-            rows=e.rows,
-            elapsed_secs=0.0
-            if job.started_at is None
-            else max(0.0, (e.evaluated_at - job.started_at).total_seconds()),
+            **{name: getattr(e, name) for name in EVALUATION_FIELDS},
+            **_curve_position(job, e.global_step, e.evaluated_at),
         )
         for e in _thin(evaluations, LOSS_HISTORY_MAX)
     ]
+
+
+def _curve_position(job: Job, global_step: int, at: datetime) -> dict[str, float]:
+    """A curve sample's `progress` (its step of the job's steps) and `elapsed_secs` (from the
+    job's start to `at`, the store's time of the sample)."""
+    elapsed = 0.0 if job.started_at is None else max(0.0, (at - job.started_at).total_seconds())
+    return {"progress": min(1.0, global_step / max(job.total_steps, 1)), "elapsed_secs": elapsed}
 
 
 def _status_fields(
@@ -217,19 +219,14 @@ def training_response(job: Job, summary: dict, message: str) -> schemas.Training
 
 def loss_samples(job: Job, steps: list[TrainingStep]) -> list[schemas.LossSample]:
     """The loss curve, thinned evenly to at most LOSS_HISTORY_MAX samples (the last always kept)."""
-    steps = _thin(steps, LOSS_HISTORY_MAX)
-    total = max(job.total_steps, 1)
     return [
         schemas.LossSample(
             step=s.global_step,
             epoch=s.epoch,
-            progress=min(1.0, s.global_step / total),
             loss=s.loss,
-            elapsed_secs=0.0
-            if job.started_at is None
-            else max(0.0, (s.created_at - job.started_at).total_seconds()),
+            **_curve_position(job, s.global_step, s.created_at),
         )
-        for s in steps
+        for s in _thin(steps, LOSS_HISTORY_MAX)
     ]
 
 

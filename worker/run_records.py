@@ -11,7 +11,9 @@ brief outage) and checks the run's claim, so a superseded run records nothing.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 from sqlalchemy.orm import Session
 
@@ -26,7 +28,11 @@ from kiln_train.train.evaluation import Evaluation
 from kiln_train.train.result import StepReport, TrainResult
 from worker.verify import PinnedJob
 
+if TYPE_CHECKING:
+    from worker.runtime import CurrentRun
+
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # The StepReport fields a `training_steps` row keeps, under the same names.
 STEP_COLUMNS = ("global_step", "epoch", "loss", "learning_rate", "step_ms", "tokens", "supervised_tokens")
@@ -67,16 +73,7 @@ class RunRecording:
                 )
             return cancel
 
-        try:
-            cancel = self.transact(write)
-        except store.LeaseLost:
-            run.lease_lost.set()
-            raise
-        except STORE_UNREACHABLE as exc:
-            # Not the job's fault: it is resumed, not failed (the reconciler settles it).
-            run.store_error = exc
-            raise
-        if cancel:
+        if self._transact_for_run(run, write):
             run.cancel.set()
 
     def _on_evaluation(self, job_id: str, evaluation: Evaluation) -> None:
@@ -114,8 +111,14 @@ class RunRecording:
                 data={**record, "supervised_tokens": evaluation.supervised_tokens, "rows": evaluation.rows},
             )
 
+        self._transact_for_run(run, write)
+
+    def _transact_for_run(self, run: CurrentRun, write: Callable[[Session, bool], T]) -> T:
+        """`transact(write)` for a callback of the running job: a superseded claim marks the run
+        lost; an unreachable store is kept on the run, since it is not the job's fault: the job is
+        resumed, not failed (the reconciler settles it)."""
         try:
-            self.transact(write)
+            return self.transact(write)
         except store.LeaseLost:
             run.lease_lost.set()
             raise

@@ -18,7 +18,7 @@ from flask import Blueprint, Response, current_app
 
 from api import schemas
 from api.admission import lock_admissions
-from api.archive import stream_tar_gz
+from api.archive import tar_gz_download
 from api.errors import ADAPTER_ACTIVE, INTERNAL_ERROR, ApiError
 from api.http import json_response, services
 from api.queries import active_jobs_for_adapter, jobs_warm_starting_from
@@ -82,12 +82,7 @@ def download(name: str) -> Response:
         raise KilnError(
             ADAPTER_NOT_FOUND, f"adapter {name!r} is registered but its directory {root} is missing"
         )
-    return current_app.response_class(
-        stream_tar_gz(root, name),
-        mimetype="application/gzip",
-        headers={"Content-Disposition": f'attachment; filename="{name}.tar.gz"'},
-        direct_passthrough=True,
-    )
+    return tar_gz_download(root, name)
 
 
 @bp.get("/v1/adapters/<name>/receipt")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from flask import Blueprint, Response, current_app, request
 
 from api import hf
-from api.archive import stream_tar_gz
+from api.archive import tar_gz_download
 from api.errors import UNSUPPORTED_MEDIA_TYPE, ApiError
 from api.http import discard_body, json_body, json_response, read_body, services
 from api.routes.adapters import remove_trees
@@ -54,13 +54,7 @@ def delete_export(name: str) -> Response:
 def download_export(name: str) -> Response:
     """The bundle as a gzip tar (`NAME.kiln-hf/...`), streamed."""
     path, _ = hf.find_export(services(), name)
-    arcroot = bundle_dir_name(name)
-    return current_app.response_class(
-        stream_tar_gz(path, arcroot),
-        mimetype="application/gzip",
-        headers={"Content-Disposition": f'attachment; filename="{arcroot}.tar.gz"'},
-        direct_passthrough=True,
-    )
+    return tar_gz_download(path, bundle_dir_name(name))
 
 
 @bp.post("/v1/train/hf/peft/imports/<name>")

@@ -164,33 +164,39 @@ def annotate_rows(
         err.notes.extend(validation_row_notes(err.message, validation_lines, validation_path))
 
 
+# (pattern, label, the number of the first row) of each way the server names a row: `examples[i]`
+# counts from 0, `SFT row n` from 1. A held-out row (`validation.examples[i]`) is no training row.
+TRAINING_ROW_NAMES = (
+    (r"(?<!validation\.)examples\[(\d+)\]", "examples[{}]", 0),
+    (r"SFT row (\d+)", "SFT row {}", 1),
+)
+VALIDATION_ROW_NAMES = (
+    (r"validation\.examples\[(\d+)\]", "validation.examples[{}]", 0),
+    (r"SFT validation row (\d+)", "SFT validation row {}", 1),
+)
+
+
 def row_notes(message: str, lines: list[int], path: Path) -> list[str]:
     """`examples[i] is line L of FILE` / `SFT row n is line L of FILE` for each row `message` names
     (a held-out row, `validation.examples[i]`, is not a training row)."""
-    notes = []
-    for match in re.finditer(r"(?<!validation\.)examples\[(\d+)\]", message):
-        index = int(match.group(1))
-        if index < len(lines):
-            notes.append(f"examples[{index}] is line {lines[index]} of {path}")
-    for match in re.finditer(r"SFT row (\d+)", message):
-        row = int(match.group(1))
-        if 1 <= row <= len(lines):
-            notes.append(f"SFT row {row} is line {lines[row - 1]} of {path}")
-    return notes
+    return _line_notes(message, lines, path, TRAINING_ROW_NAMES)
 
 
 def validation_row_notes(message: str, lines: list[int], path: Path) -> list[str]:
     """The same for the held-out rows of --validation-data: `validation.examples[i]` and
     `SFT validation row n`."""
+    return _line_notes(message, lines, path, VALIDATION_ROW_NAMES)
+
+
+def _line_notes(
+    message: str, lines: list[int], path: Path, names: tuple[tuple[str, str, int], ...]
+) -> list[str]:
     notes = []
-    for match in re.finditer(r"validation\.examples\[(\d+)\]", message):
-        index = int(match.group(1))
-        if index < len(lines):
-            notes.append(f"validation.examples[{index}] is line {lines[index]} of {path}")
-    for match in re.finditer(r"SFT validation row (\d+)", message):
-        row = int(match.group(1))
-        if 1 <= row <= len(lines):
-            notes.append(f"SFT validation row {row} is line {lines[row - 1]} of {path}")
+    for pattern, label, first in names:
+        for match in re.finditer(pattern, message):
+            number = int(match.group(1))
+            if 0 <= number - first < len(lines):
+                notes.append(f"{label.format(number)} is line {lines[number - first]} of {path}")
     return notes
 
 

@@ -244,15 +244,23 @@ class JobEvent(Base):
     data: Mapped[dict[str, Any] | None]
 
 
-class TrainingStep(Base):
+class _CurvePoint:
+    """The leading columns of a curve's row: one point per (job, global step), deleted with the job.
+    `sort_order` keeps them first in the table, where the migrations put them."""
+
+    job_id: Mapped[str] = mapped_column(
+        ForeignKey("training_jobs.id", ondelete="CASCADE"), primary_key=True, sort_order=-1
+    )
+    global_step: Mapped[int] = mapped_column(Integer, primary_key=True, sort_order=-1)
+    epoch: Mapped[int] = mapped_column(Integer, sort_order=-1)
+    loss: Mapped[float] = mapped_column(Float, sort_order=-1)
+
+
+class TrainingStep(_CurvePoint, Base):
     """One optimizer step of one job (`training_steps`): the loss curve."""
 
     __tablename__ = "training_steps"
 
-    job_id: Mapped[str] = mapped_column(ForeignKey("training_jobs.id", ondelete="CASCADE"), primary_key=True)
-    global_step: Mapped[int] = mapped_column(Integer, primary_key=True)
-    epoch: Mapped[int] = mapped_column(Integer)
-    loss: Mapped[float] = mapped_column(Float)
     learning_rate: Mapped[float] = mapped_column(Float)
     step_ms: Mapped[float] = mapped_column(Float)
     tokens: Mapped[int] = mapped_column(Integer)
@@ -260,16 +268,12 @@ class TrainingStep(Base):
     created_at: Mapped[datetime]
 
 
-class ValidationEvaluation(Base):
+class ValidationEvaluation(_CurvePoint, Base):
     """One evaluation of a job's held-out validation rows (`validation_evaluations`): the
     validation curve. Global step 0 is the baseline, evaluated before the first update."""
 
     __tablename__ = "validation_evaluations"
 
-    job_id: Mapped[str] = mapped_column(ForeignKey("training_jobs.id", ondelete="CASCADE"), primary_key=True)
-    global_step: Mapped[int] = mapped_column(Integer, primary_key=True)
-    epoch: Mapped[int] = mapped_column(Integer)
-    loss: Mapped[float] = mapped_column(Float)
     token_accuracy: Mapped[float] = mapped_column(Float)
     supervised_tokens: Mapped[int] = mapped_column(Integer)
     rows: Mapped[int] = mapped_column(Integer)

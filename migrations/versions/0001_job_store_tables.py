@@ -19,6 +19,8 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import postgresql
 
+from migrations.curves import create_curve_table, job_foreign_key
+
 revision: str = "0001"
 down_revision: str | None = None
 branch_labels: str | Sequence[str] | None = None
@@ -44,16 +46,6 @@ def upgrade() -> None:
     _create_job_events()
     _create_prepared_sft_admissions()
     _create_training_steps()
-
-
-def _job_foreign_key(table: str, *, ondelete: str) -> sa.ForeignKeyConstraint:
-    """`<table>.job_id` references `training_jobs.id`."""
-    return sa.ForeignKeyConstraint(
-        ["job_id"],
-        ["training_jobs.id"],
-        name=op.f(f"fk_{table}_job_id_training_jobs"),
-        ondelete=ondelete,
-    )
 
 
 def _create_runners() -> None:
@@ -158,7 +150,7 @@ def _create_adapters() -> None:
         sa.Column("alpha", sa.Float(), nullable=False),
         sa.Column("base_model_sha256", sa.String(71), nullable=True),
         sa.Column("deleted_at", TIMESTAMP, nullable=True),
-        _job_foreign_key("adapters", ondelete="SET NULL"),
+        job_foreign_key("adapters", ondelete="SET NULL"),
         sa.PrimaryKeyConstraint("name", name=op.f("pk_adapters")),
     )
     op.create_index(op.f("ix_adapters_job_id"), "adapters", ["job_id"])
@@ -178,7 +170,7 @@ def _create_checkpoints() -> None:
         sa.Column("size_bytes", sa.BigInteger(), nullable=False),
         sa.Column("write_ms", sa.Float(), nullable=False),
         sa.Column("created_at", TIMESTAMP, nullable=False),
-        _job_foreign_key("checkpoints", ondelete="CASCADE"),
+        job_foreign_key("checkpoints", ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("job_id", "checkpoint_id", name=op.f("pk_checkpoints")),
         sa.UniqueConstraint("basename", name=op.f("uq_checkpoints_basename")),
     )
@@ -197,7 +189,7 @@ def _create_job_events() -> None:
         sa.CheckConstraint(
             "level IN ('debug', 'info', 'warning', 'error')", name=op.f("ck_job_events_level")
         ),
-        _job_foreign_key("job_events", ondelete="CASCADE"),
+        job_foreign_key("job_events", ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_job_events")),
     )
     op.create_index("ix_job_events_job_id_id", "job_events", ["job_id", "id"])
@@ -233,25 +225,19 @@ def _create_prepared_sft_admissions() -> None:
         sa.CheckConstraint(
             "data_source IN ('examples', 'dataset_path')", name=op.f("ck_prepared_sft_admissions_data_source")
         ),
-        _job_foreign_key("prepared_sft_admissions", ondelete="CASCADE"),
+        job_foreign_key("prepared_sft_admissions", ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("job_id", name=op.f("pk_prepared_sft_admissions")),
     )
 
 
 def _create_training_steps() -> None:
-    op.create_table(
+    create_curve_table(
         "training_steps",
-        sa.Column("job_id", sa.String(64), nullable=False),
-        sa.Column("global_step", sa.Integer(), nullable=False),
-        sa.Column("epoch", sa.Integer(), nullable=False),
-        sa.Column("loss", sa.Float(), nullable=False),
         sa.Column("learning_rate", sa.Float(), nullable=False),
         sa.Column("step_ms", sa.Float(), nullable=False),
         sa.Column("tokens", sa.Integer(), nullable=False),
         sa.Column("supervised_tokens", sa.Integer(), nullable=False),
         sa.Column("created_at", TIMESTAMP, nullable=False),
-        _job_foreign_key("training_steps", ondelete="CASCADE"),
-        sa.PrimaryKeyConstraint("job_id", "global_step", name=op.f("pk_training_steps")),
     )
 
 

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 from alembic import op
 
+from migrations.curves import create_curve_view
+
 revision: str = "0002"
 down_revision: str | None = "0001"
 branch_labels: str | Sequence[str] | None = None
@@ -86,24 +88,8 @@ def _create_v_job_history() -> None:
 
 
 def _create_v_loss_curve() -> None:
-    op.execute(
-        """
-        CREATE VIEW v_loss_curve AS
-        SELECT
-            s.job_id,
-            j.adapter_name,
-            s.global_step,
-            s.epoch,
-            s.loss,
-            s.learning_rate,
-            s.step_ms,
-            s.tokens,
-            s.supervised_tokens,
-            s.created_at
-        FROM training_steps s
-        JOIN training_jobs j ON j.id = s.job_id
-        """
-    )
+    columns = ("learning_rate", "step_ms", "tokens", "supervised_tokens", "created_at")
+    create_curve_view("v_loss_curve", "training_steps", "s", columns)
 
 
 def _create_v_failures_by_reason() -> None:

@@ -22,6 +22,8 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import postgresql
 
+from migrations.curves import create_curve_table, create_curve_view
+
 revision: str = "0004"
 down_revision: str | None = "0003"
 branch_labels: str | Sequence[str] | None = None
@@ -34,41 +36,15 @@ JSON_TYPE = sa.JSON(none_as_null=True).with_variant(postgresql.JSONB(none_as_nul
 def upgrade() -> None:
     with op.batch_alter_table("prepared_sft_admissions") as batch:
         batch.add_column(sa.Column("validation", JSON_TYPE, nullable=True))
-    op.create_table(
+    create_curve_table(
         "validation_evaluations",
-        sa.Column("job_id", sa.String(64), nullable=False),
-        sa.Column("global_step", sa.Integer(), nullable=False),
-        sa.Column("epoch", sa.Integer(), nullable=False),
-        sa.Column("loss", sa.Float(), nullable=False),
         sa.Column("token_accuracy", sa.Float(), nullable=False),
         sa.Column("supervised_tokens", sa.Integer(), nullable=False),
         sa.Column("rows", sa.Integer(), nullable=False),
         sa.Column("evaluated_at", TIMESTAMP, nullable=False),
-        sa.ForeignKeyConstraint(
-            ["job_id"],
-            ["training_jobs.id"],
-            name=op.f("fk_validation_evaluations_job_id_training_jobs"),
-            ondelete="CASCADE",
-        ),
-        sa.PrimaryKeyConstraint("job_id", "global_step", name=op.f("pk_validation_evaluations")),
     )
-    op.execute(
-        """
-        CREATE VIEW v_validation_curve AS
-        SELECT
-            v.job_id,
-            j.adapter_name,
-            v.global_step,
-            v.epoch,
-            v.loss,
-            v.token_accuracy,
-            v.supervised_tokens,
-            v.rows,
-            v.evaluated_at
-        FROM validation_evaluations v
-        JOIN training_jobs j ON j.id = v.job_id
-        """
-    )
+    columns = ("token_accuracy", "supervised_tokens", "rows", "evaluated_at")
+    create_curve_view("v_validation_curve", "validation_evaluations", "v", columns)
 
 
 def downgrade() -> None:
