@@ -314,6 +314,18 @@ def draw_seed() -> int:
     return secrets.randbits(63)
 
 
+def check_one_row_source(model: BaseModel, sources: tuple[str, ...]) -> None:
+    """Exactly one of the `sources` fields of `model` is given (ValueError otherwise); given inline
+    `examples` are not empty and a given `dataset_path` is not blank."""
+    if sum(getattr(model, name) is not None for name in sources) != 1:
+        raise ValueError(f"exactly one of {', '.join(sources[:-1])} or {sources[-1]} is required")
+    examples, dataset_path = getattr(model, "examples", None), getattr(model, "dataset_path", None)
+    if examples is not None and not examples:
+        raise ValueError("examples must contain at least one example")
+    if dataset_path is not None and not dataset_path.strip():
+        raise ValueError("dataset_path must not be blank")
+
+
 class ValidationSpec(BaseModel):
     """`validation` of an SFT request: exactly one source of held-out rows, and how often to
     evaluate them besides the baseline and every epoch's end (docs/validation.md)."""
@@ -327,13 +339,7 @@ class ValidationSpec(BaseModel):
 
     @model_validator(mode="after")
     def _one_source(self) -> ValidationSpec:
-        given = [n for n in ("examples", "dataset_path", "holdout_percent") if getattr(self, n) is not None]
-        if len(given) != 1:
-            raise ValueError("exactly one of examples, dataset_path or holdout_percent is required")
-        if self.examples is not None and not self.examples:
-            raise ValueError("examples must contain at least one example")
-        if self.dataset_path is not None and not self.dataset_path.strip():
-            raise ValueError("dataset_path must not be blank")
+        check_one_row_source(self, ("examples", "dataset_path", "holdout_percent"))
         return self
 
     @property
@@ -359,13 +365,7 @@ class SftRequest(BaseModel):
 
     @model_validator(mode="after")
     def _one_transport(self) -> SftRequest:
-        given = [n for n in ("examples", "dataset_path", "dataset") if getattr(self, n) is not None]
-        if len(given) != 1:
-            raise ValueError("exactly one of examples, dataset_path or dataset is required")
-        if self.examples is not None and not self.examples:
-            raise ValueError("examples must contain at least one example")
-        if self.dataset_path is not None and not self.dataset_path.strip():
-            raise ValueError("dataset_path must not be blank")
+        check_one_row_source(self, ("examples", "dataset_path", "dataset"))
         if self.dataset_split is not None and self.dataset is None:
             raise ValueError("dataset_split requires a registered named dataset")
         if self.dataset is not None:
