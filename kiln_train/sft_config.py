@@ -68,6 +68,16 @@ def f32_round(value: float) -> float:
         return math.copysign(math.inf, value)
 
 
+def _positive_in_f32(name: str, v: float) -> float:
+    """`v` when it is finite and positive and stays so after conversion to f32."""
+    if _finite(name, v) <= 0.0:
+        raise ValueError(f"{name} must be positive")
+    r = f32_round(v)
+    if not math.isfinite(r) or r <= 0.0:
+        raise ValueError(f"{name} must stay finite and positive after conversion to f32")
+    return v
+
+
 def _non_negative_weight_decay(v: float) -> float:
     if _finite("weight_decay", v) < 0.0:
         raise ValueError("weight_decay must be non-negative")
@@ -189,27 +199,14 @@ class SftConfig(BaseModel):
     @field_validator("learning_rate")
     @classmethod
     def _lr(cls, v: float | None) -> float | None:
-        if v is None:
-            return None
-        _finite("learning_rate", v)
-        if v <= 0.0:
-            raise ValueError("learning_rate must be positive")
-        r = f32_round(v)
-        if not math.isfinite(r) or r <= 0.0:
-            raise ValueError("learning_rate must stay finite and positive after conversion to f32")
-        return v
+        return None if v is None else _positive_in_f32("learning_rate", v)
 
     @field_validator("lora_alpha")
     @classmethod
     def _alpha(cls, v: float) -> float:
-        if _finite("lora_alpha", v) <= 0.0:
-            raise ValueError("lora_alpha must be positive")
-        r = f32_round(v)
-        if not math.isfinite(r) or r <= 0.0:
-            # The LoRA scale alpha/rank multiplies f32 (or bf16) activations: an alpha that is 0
-            # or infinite in f32 would train an adapter that never moves or only overflows.
-            raise ValueError("lora_alpha must stay finite and positive after conversion to f32")
-        return v
+        # The LoRA scale alpha/rank multiplies f32 (or bf16) activations: an alpha that is 0
+        # or infinite in f32 would train an adapter that never moves or only overflows.
+        return _positive_in_f32("lora_alpha", v)
 
     @field_validator("base_adapter", "output_name", "resume_checkpoint")
     @classmethod
