@@ -68,6 +68,16 @@ def f32_round(value: float) -> float:
         return math.copysign(math.inf, value)
 
 
+def _positive_in_f32(name: str, v: float) -> float:
+    """`v` when it is finite and positive and stays so after conversion to f32."""
+    if _finite(name, v) <= 0.0:
+        raise ValueError(f"{name} must be positive")
+    r = f32_round(v)
+    if not math.isfinite(r) or r <= 0.0:
+        raise ValueError(f"{name} must stay finite and positive after conversion to f32")
+    return v
+
+
 def _non_negative_weight_decay(v: float) -> float:
     if _finite("weight_decay", v) < 0.0:
         raise ValueError("weight_decay must be non-negative")
@@ -189,27 +199,14 @@ class SftConfig(BaseModel):
     @field_validator("learning_rate")
     @classmethod
     def _lr(cls, v: float | None) -> float | None:
-        if v is None:
-            return None
-        _finite("learning_rate", v)
-        if v <= 0.0:
-            raise ValueError("learning_rate must be positive")
-        r = f32_round(v)
-        if not math.isfinite(r) or r <= 0.0:
-            raise ValueError("learning_rate must stay finite and positive after conversion to f32")
-        return v
+        return None if v is None else _positive_in_f32("learning_rate", v)
 
     @field_validator("lora_alpha")
     @classmethod
     def _alpha(cls, v: float) -> float:
-        if _finite("lora_alpha", v) <= 0.0:
-            raise ValueError("lora_alpha must be positive")
-        r = f32_round(v)
-        if not math.isfinite(r) or r <= 0.0:
-            # The LoRA scale alpha/rank multiplies f32 (or bf16) activations: an alpha that is 0
-            # or infinite in f32 would train an adapter that never moves or only overflows.
-            raise ValueError("lora_alpha must stay finite and positive after conversion to f32")
-        return v
+        # The LoRA scale alpha/rank multiplies f32 (or bf16) activations: an alpha that is 0
+        # or infinite in f32 would train an adapter that never moves or only overflows.
+        return _positive_in_f32("lora_alpha", v)
 
     @field_validator("base_adapter", "output_name", "resume_checkpoint")
     @classmethod
@@ -314,6 +311,18 @@ def draw_seed() -> int:
     return secrets.randbits(63)
 
 
+def check_one_row_source(model: BaseModel, sources: tuple[str, ...]) -> None:
+    """Exactly one of the `sources` fields of `model` is given (ValueError otherwise); given inline
+    `examples` are not empty and a given `dataset_path` is not blank."""
+    if sum(getattr(model, name) is not None for name in sources) != 1:
+        raise ValueError(f"exactly one of {', '.join(sources[:-1])} or {sources[-1]} is required")
+    examples, dataset_path = getattr(model, "examples", None), getattr(model, "dataset_path", None)
+    if examples is not None and not examples:
+        raise ValueError("examples must contain at least one example")
+    if dataset_path is not None and not dataset_path.strip():
+        raise ValueError("dataset_path must not be blank")
+
+
 class ValidationSpec(BaseModel):
     """`validation` of an SFT request: exactly one source of held-out rows, and how often to
     evaluate them besides the baseline and every epoch's end (docs/validation.md)."""
@@ -327,13 +336,7 @@ class ValidationSpec(BaseModel):
 
     @model_validator(mode="after")
     def _one_source(self) -> ValidationSpec:
-        given = [n for n in ("examples", "dataset_path", "holdout_percent") if getattr(self, n) is not None]
-        if len(given) != 1:
-            raise ValueError("exactly one of examples, dataset_path or holdout_percent is required")
-        if self.examples is not None and not self.examples:
-            raise ValueError("examples must contain at least one example")
-        if self.dataset_path is not None and not self.dataset_path.strip():
-            raise ValueError("dataset_path must not be blank")
+        check_one_row_source(self, ("examples", "dataset_path", "holdout_percent"))
         return self
 
     @property
@@ -359,13 +362,7 @@ class SftRequest(BaseModel):
 
     @model_validator(mode="after")
     def _one_transport(self) -> SftRequest:
-        given = [n for n in ("examples", "dataset_path", "dataset") if getattr(self, n) is not None]
-        if len(given) != 1:
-            raise ValueError("exactly one of examples, dataset_path or dataset is required")
-        if self.examples is not None and not self.examples:
-            raise ValueError("examples must contain at least one example")
-        if self.dataset_path is not None and not self.dataset_path.strip():
-            raise ValueError("dataset_path must not be blank")
+        check_one_row_source(self, ("examples", "dataset_path", "dataset"))
         if self.dataset_split is not None and self.dataset is None:
             raise ValueError("dataset_split requires a registered named dataset")
         if self.dataset is not None:

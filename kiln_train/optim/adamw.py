@@ -54,6 +54,9 @@ class AdamW(Optimizer):
         self._lane_eps = self.eps if self.eps > F32_SMALLEST_SUBNORMAL / 2 else F32_SMALLEST_SUBNORMAL
         self.weight_decay = float(weight_decay)
 
+    # What `hyperparameters()` reports: the attributes set above, in contract order.
+    hyperparameter_names = ("beta1", "beta2", "eps", "weight_decay")
+
     def _update(self, name: str, param: Tensor, grad: Tensor) -> None:
         state = self.state[name]
         step = self.param_steps[name]
@@ -71,12 +74,3 @@ class AdamW(Optimizer):
         write_back(param, p)
         write_back(state["m"], m)
         write_back(state["v"], v)
-
-    def hyperparameters(self) -> dict:
-        return {
-            "kind": self.kind,
-            "beta1": self.beta1,
-            "beta2": self.beta2,
-            "eps": self.eps,
-            "weight_decay": self.weight_decay,
-        }

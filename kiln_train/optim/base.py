@@ -50,13 +50,15 @@ def _describe(t: Tensor) -> str:
 class Optimizer(ABC):
     """One optimizer over named trainable leaves.
 
-    Subclasses set `kind` and `state_fields` (the per-parameter buffers, e.g. `("m", "v")`) and
+    Subclasses set `kind`, `state_fields` (the per-parameter buffers, e.g. `("m", "v")`) and
+    `hyperparameter_names` (the attributes `hyperparameters()` reports, in contract order), and
     implement `_update(name, param, grad)`, which runs under `torch.no_grad()` after the whole
     gradient set has been validated and must not fail for a valid set.
     """
 
     kind: str = ""
     state_fields: tuple[str, ...] = ()
+    hyperparameter_names: tuple[str, ...] = ()
 
     def __init__(self, params: Sequence[tuple[str, torch.nn.Parameter]], lr: float) -> None:
         if not (isinstance(lr, int | float) and not isinstance(lr, bool)):
@@ -203,7 +205,7 @@ class Optimizer(ABC):
 
     def hyperparameters(self) -> dict:
         """The optimizer object as the contract spells it (used in manifests and receipts)."""
-        return {"kind": self.kind}
+        return {"kind": self.kind, **{name: getattr(self, name) for name in self.hyperparameter_names}}
 
 
 def _check_key_set(kind: str, expected: Iterable[str], tensors: dict[str, Tensor]) -> None:

@@ -95,6 +95,9 @@ class Muon(Optimizer):
         self.ns_iters = int(ns_iters)
         self.weight_decay = float(weight_decay)
 
+    # What `hyperparameters()` reports: the attributes set above, in contract order.
+    hyperparameter_names = ("momentum", "nesterov", "ns_iters", "weight_decay")
+
     def _update(self, name: str, param: Tensor, grad: Tensor) -> None:
         p, g = upcast(param), upcast(grad)
         buf = upcast(self.state[name]["momentum"])
@@ -106,12 +109,3 @@ class Muon(Optimizer):
         p.add_(ortho, alpha=-self.lr * update_scale(p.shape))
         write_back(param, p)
         write_back(self.state[name]["momentum"], buf)
-
-    def hyperparameters(self) -> dict:
-        return {
-            "kind": self.kind,
-            "momentum": self.momentum,
-            "nesterov": self.nesterov,
-            "ns_iters": self.ns_iters,
-            "weight_decay": self.weight_decay,
-        }

@@ -171,6 +171,11 @@ def replay_case(case: dict, tolerances: dict, *, device: str = "cpu", mode: str 
     return result
 
 
+def _first_lane(out_of_bounds: Tensor) -> int | None:
+    lanes = out_of_bounds.nonzero().reshape(-1)
+    return int(lanes[0]) if lanes.numel() else None
+
+
 def _compare(
     result: CaseReplay, tol: dict, step: int, name: str, fld: str, got: Tensor, want: Tensor
 ) -> None:
@@ -178,32 +183,28 @@ def _compare(
     ulps = ulp_distance(got, want).reshape(-1)
     worst = result.fields[fld]
     result.checked_lanes += err64.numel()
+    at = {"step": step, "param": name}
     if result.dtype == "float32":
         bound = tol["float32"]["absolute"] + tol["float32"]["relative"] * want.double().abs().reshape(-1)
         ratio = err64 / bound
         lane = int(ratio.argmax())
         if float(ratio[lane]) > worst.max_bound_ratio or worst.at is None:
             worst.max_bound_ratio = float(ratio[lane])
-            worst.at = {"step": step, "param": name, "lane": lane}
-        bad = (err64 > bound).nonzero().reshape(-1)
-        if bad.numel():
-            i = int(bad[0])
-            result.violations.append(
-                f"{result.case_id} step {step} {name}.{fld}[{i}]: got {float(got.reshape(-1)[i])!r} "
-                f"want {float(want.reshape(-1)[i])!r} error {float(err64[i]):.3e} > bound {float(bound[i]):.3e}"
-            )
+            worst.at = {**at, "lane": lane}
+        i = _first_lane(err64 > bound)
+        excess = f" error {float(err64[i]):.3e} > bound {float(bound[i]):.3e}" if i is not None else ""
     else:
         limit = tol["bfloat16"][BF16_ULP_BOUND_KEYS[fld]]
         lane = int(ulps.argmax())
         if int(ulps[lane]) > worst.max_ulps or worst.at is None:
-            worst.at = {"step": step, "param": name, "lane": lane}
-        bad = (ulps > limit).nonzero().reshape(-1)
-        if bad.numel():
-            i = int(bad[0])
-            result.violations.append(
-                f"{result.case_id} step {step} {name}.{fld}[{i}]: got {float(got.reshape(-1)[i])!r} "
-                f"want {float(want.reshape(-1)[i])!r}: {int(ulps[i])} bf16 ULPs > {limit}"
-            )
+            worst.at = {**at, "lane": lane}
+        i = _first_lane(ulps > limit)
+        excess = f": {int(ulps[i])} bf16 ULPs > {limit}" if i is not None else ""
+    if i is not None:  # the first lane out of bounds, with how far out it is
+        result.violations.append(
+            f"{result.case_id} step {step} {name}.{fld}[{i}]: got {float(got.reshape(-1)[i])!r} "
+            f"want {float(want.reshape(-1)[i])!r}{excess}"
+        )
     worst.max_abs_error = max(worst.max_abs_error, float(err64.max()))
     worst.max_ulps = max(worst.max_ulps, int(ulps.max()))
     if not math.isfinite(worst.max_abs_error):

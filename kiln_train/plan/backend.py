@@ -65,33 +65,35 @@ class Backend:
         return asdict(self)
 
 
+# Every backend keeps all its tensor kinds in one dtype (the table above).
+_TENSOR_DTYPE_FIELDS = (
+    "base_weight_dtype",
+    "lora_dtype",
+    "optimizer_state_dtype",
+    "activation_dtype",
+    "gradient_dtype",
+)
+
+
 def backend_for_device(device: str) -> Backend:
     """The backend owning `device` ("cpu", "cuda", "cuda:N")."""
     if device == "cpu":
-        return Backend(
-            name="cpu",
-            device="cpu",
-            base_weight_dtype="f32",
-            lora_dtype="f32",
-            optimizer_state_dtype="f32",
-            activation_dtype="f32",
-            gradient_dtype="f32",
-            sft_loss_route=KT_TAPE_FLCE,
-            optimizer_route=PORTABLE_REFERENCE,
-            muon_rank_max=None,
-        )
+        return _backend("cpu", "cpu", "f32", PORTABLE_REFERENCE, muon_rank_max=None)
     if device == "cuda" or device.startswith("cuda:"):
         index = device.split(":", 1)[1] if ":" in device else "0"
-        return Backend(
-            name="cuda",
-            device=f"cuda:{index}",
-            base_weight_dtype="bf16",
-            lora_dtype="bf16",
-            optimizer_state_dtype="bf16",
-            activation_dtype="bf16",
-            gradient_dtype="bf16",
-            sft_loss_route=KT_TAPE_FLCE,
-            optimizer_route=NATIVE_DEVICE_HOOK,
-            muon_rank_max=48,
-        )
+        return _backend("cuda", f"cuda:{index}", "bf16", NATIVE_DEVICE_HOOK, muon_rank_max=48)
     raise ValueError(f"unsupported device {device!r}: use cpu, cuda or cuda:N")
+
+
+def _backend(
+    name: str, device: str, dtype: str, optimizer_route: str, *, muon_rank_max: int | None
+) -> Backend:
+    """A backend whose every tensor kind is `dtype`, on the one SFT loss route."""
+    return Backend(
+        name=name,
+        device=device,
+        **dict.fromkeys(_TENSOR_DTYPE_FIELDS, dtype),
+        sft_loss_route=KT_TAPE_FLCE,
+        optimizer_route=optimizer_route,
+        muon_rank_max=muon_rank_max,
+    )

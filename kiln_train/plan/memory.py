@@ -17,6 +17,7 @@ planning (`plan.segments`), the available budget (`plan.budget`) and the 413 (`p
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from typing import TypedDict
 
 from kiln_train.model.config import Qwen35Config
 from kiln_train.plan.backend import Backend
@@ -41,6 +42,17 @@ OPTIMIZER_STATE_BUFFERS = {"sgd": 0, "muon": 1, "adam_w": 2}
 # and imports are part of the worker's resident baseline, see `qualification/memory_honesty.py`);
 # on cuda the cuBLAS workspaces and attention/GDN kernel workspaces of the caching allocator.
 RUNTIME_SCRATCH_BYTES = {"cpu": 24 * MIB, "cuda": 64 * MIB}
+
+
+class Pricing(TypedDict):
+    """What prices a step besides its rows' sizes and its segments: `estimate`'s other keywords,
+    which the admission checks of one run pass through unchanged (`plan.segments`)."""
+
+    lora_rank: int
+    optimizer_kind: str
+    loss_route: str
+    backend: Backend
+    weights_resident: bool
 
 
 def saturate(value: int) -> int:
@@ -113,6 +125,33 @@ def _dtype_bytes(name: str) -> int:
     return 4 if name == "f32" else 2
 
 
+def _check_inputs(optimizer_kind: str, **sizes: int) -> None:
+    """ValueError for a size that is not a positive integer, or an unknown optimizer kind."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if optimizer_kind not in OPTIMIZER_STATE_BUFFERS:
+        raise ValueError(f"unknown optimizer kind {optimizer_kind!r}")
+
+
+def _priced_by(t: int, a: int, r: int, s: int, loss_route: str, optimizer_kind: str) -> dict:
+    """The inputs a `Breakdown` records beside its components."""
+    return {
+        "max_seq_len": t,
+        "max_supervised_tokens": a,
+        "lora_rank": r,
+        "num_segments": s,
+        "loss_route": loss_route,
+        "optimizer_kind": optimizer_kind,
+    }
+
+
+def _with_safety_margin(breakdown: Breakdown) -> Breakdown:
+    """Allocator rounding and fragmentation: 1/16 of the working set. The fixed reserve beside it
+    is the budget's `[memory].reserve_gb`."""
+    return replace(breakdown, safety_margin=saturate(-(-breakdown.working_set // 16)))
+
+
 def estimate(
     config: Qwen35Config,
     *,
@@ -130,16 +169,13 @@ def estimate(
     `weights_resident=True` when the budget was measured with the model already loaded (the
     worker's CUDA free memory), so base weights are not charged again.
     """
-    for name, value in (
-        ("max_seq_len", max_seq_len),
-        ("max_supervised_tokens", max_supervised_tokens),
-        ("lora_rank", lora_rank),
-        ("num_segments", num_segments),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if optimizer_kind not in OPTIMIZER_STATE_BUFFERS:
-        raise ValueError(f"unknown optimizer kind {optimizer_kind!r}")
+    _check_inputs(
+        optimizer_kind,
+        max_seq_len=max_seq_len,
+        max_supervised_tokens=max_supervised_tokens,
+        lora_rank=lora_rank,
+        num_segments=num_segments,
+    )
     if num_segments > config.num_hidden_layers:
         raise ValueError(f"num_segments {num_segments} exceeds {config.num_hidden_layers} layers")
     t, a, r, s = max_seq_len, max_supervised_tokens, lora_rank, num_segments
@@ -174,16 +210,9 @@ def estimate(
         lora_optimizer_state=optimizer_state,
         residency_scratch=scratch,
         safety_margin=0,
-        max_seq_len=t,
-        max_supervised_tokens=a,
-        lora_rank=r,
-        num_segments=s,
-        loss_route=loss_route,
-        optimizer_kind=optimizer_kind,
+        **_priced_by(t, a, r, s, loss_route, optimizer_kind),
     )
-    # Allocator rounding and fragmentation: 1/16 of the working set. The fixed reserve beside it
-    # is the budget's `[memory].reserve_gb`.
-    return replace(breakdown, safety_margin=saturate(-(-breakdown.working_set // 16)))
+    return _with_safety_margin(breakdown)
 
 
 def forward_estimate(
@@ -210,15 +239,12 @@ def forward_estimate(
     - lora_param_grad: the LoRA leaves only; lora_optimizer_state: as in training;
     - residency_scratch: the compute runtime's buffers only.
     """
-    for name, value in (
-        ("max_seq_len", max_seq_len),
-        ("max_supervised_tokens", max_supervised_tokens),
-        ("lora_rank", lora_rank),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if optimizer_kind not in OPTIMIZER_STATE_BUFFERS:
-        raise ValueError(f"unknown optimizer kind {optimizer_kind!r}")
+    _check_inputs(
+        optimizer_kind,
+        max_seq_len=max_seq_len,
+        max_supervised_tokens=max_supervised_tokens,
+        lora_rank=lora_rank,
+    )
     t, a, r = max_seq_len, max_supervised_tokens, lora_rank
     e = _dtype_bytes(backend.activation_dtype)
     lora_elements = config.lora_elements_per_rank() * r
@@ -238,11 +264,6 @@ def forward_estimate(
         ),
         residency_scratch=saturate(RUNTIME_SCRATCH_BYTES.get(backend.name, 64 * MIB)),
         safety_margin=0,
-        max_seq_len=t,
-        max_supervised_tokens=a,
-        lora_rank=r,
-        num_segments=1,
-        loss_route=loss_route,
-        optimizer_kind=optimizer_kind,
+        **_priced_by(t, a, r, 1, loss_route, optimizer_kind),
     )
-    return replace(breakdown, safety_margin=saturate(-(-breakdown.working_set // 16)))
+    return _with_safety_margin(breakdown)

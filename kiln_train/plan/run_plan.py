@@ -16,7 +16,7 @@ from kiln_train.checkpoint.manifest import CHECKPOINT_PLAN_AUX_KEY
 from kiln_train.data.ingestion import IngestionResult
 from kiln_train.data.validation import ValidationSet
 from kiln_train.plan.gates import TrainingTarget, check_static_gates
-from kiln_train.plan.memory import Breakdown
+from kiln_train.plan.memory import Breakdown, Pricing
 from kiln_train.plan.names import check_output_name_fits
 from kiln_train.plan.resume_point import (
     ResumePoint,
@@ -121,12 +121,8 @@ def plan_run(
             target.model,
             [(r.seq_len, r.supervised_tokens) for r in ingestion.rows],
             recorded,
-            lora_rank=config.lora_rank,
-            optimizer_kind=config.optimizer.kind,
-            loss_route=target.loss_route,
-            backend=target.backend,
-            weights_resident=True,
             available_bytes=segments.available_bytes,
+            **_pricing(config, target),
         )
     config = config.model_copy(update={"grad_checkpoint_segments": segments.num_segments})
     if resume is not None:
@@ -156,13 +152,9 @@ def _plan_memory(
         target.model,
         max_seq_len=ingestion.max_seq_len,
         max_supervised_tokens=ingestion.max_supervised_tokens,
-        lora_rank=config.lora_rank,
-        optimizer_kind=config.optimizer.kind,
-        loss_route=target.loss_route,
-        backend=target.backend,
-        weights_resident=True,  # free memory is measured with the model already loaded
         available_bytes=available,
         requested_segments=config.grad_checkpoint_segments,
+        **_pricing(config, target),
     )
 
 
@@ -176,10 +168,18 @@ def _plan_validation(
         target.model,
         max_seq_len=validation.max_seq_len,
         max_supervised_tokens=validation.max_supervised_tokens,
-        lora_rank=config.lora_rank,
-        optimizer_kind=config.optimizer.kind,
-        loss_route=target.loss_route,
-        backend=target.backend,
-        weights_resident=True,
         available_bytes=available,
+        **_pricing(config, target),
     )
+
+
+def _pricing(config: SftConfig, target: TrainingTarget) -> Pricing:
+    """What prices every memory check of the run besides the rows' sizes (`memory.estimate`'s
+    keywords). The free memory is measured with the model already loaded: weights are resident."""
+    return {
+        "lora_rank": config.lora_rank,
+        "optimizer_kind": config.optimizer.kind,
+        "loss_route": target.loss_route,
+        "backend": target.backend,
+        "weights_resident": True,
+    }

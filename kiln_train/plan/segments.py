@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Unpack
 
 from kiln_train.errors import invalid_request
 from kiln_train.model.config import Qwen35Config
 from kiln_train.plan.backend import FULL_LOGITS, Backend
-from kiln_train.plan.memory import Breakdown, estimate, forward_estimate
+from kiln_train.plan.memory import Breakdown, Pricing, estimate, forward_estimate
 from kiln_train.plan.optimizer_support import rank_range
 from kiln_train.plan.refusal import validation_will_not_fit, will_not_fit
 
@@ -60,33 +61,21 @@ def plan_segments(
     *,
     max_seq_len: int,
     max_supervised_tokens: int,
-    lora_rank: int,
-    optimizer_kind: str,
-    loss_route: str,
-    backend: Backend,
-    weights_resident: bool,
     available_bytes: int,
     requested_segments: int | None = None,
+    **pricing: Unpack[Pricing],
 ) -> SegmentPlan:
     """Admit the first plan whose complete bound fits, or raise 400/413 (docs/memory.md#segment-planning).
 
     An explicit `requested_segments` is honoured as is (413 when it does not fit); otherwise
     1 segment is tried, then 2..=num_layers (never more than 1 for `full_logits`).
     """
-    check_segment_request(config, loss_route, requested_segments)
-    counts = segment_counts(config, loss_route, requested_segments)
-    common = {
-        "max_seq_len": max_seq_len,
-        "max_supervised_tokens": max_supervised_tokens,
-        "lora_rank": lora_rank,
-        "optimizer_kind": optimizer_kind,
-        "loss_route": loss_route,
-        "backend": backend,
-        "weights_resident": weights_resident,
-    }
+    check_segment_request(config, pricing["loss_route"], requested_segments)
+    counts = segment_counts(config, pricing["loss_route"], requested_segments)
+    sizes = {"max_seq_len": max_seq_len, "max_supervised_tokens": max_supervised_tokens}
     breakdown = None
     for s in counts:
-        breakdown = estimate(config, num_segments=s, **common)
+        breakdown = estimate(config, num_segments=s, **sizes, **pricing)
         if breakdown.fits(available_bytes):
             return SegmentPlan(s, breakdown, available_bytes)
     ceiling = admissible_rank_ceiling(
@@ -95,10 +84,11 @@ def plan_segments(
             config,
             available_bytes=available_bytes,
             requested_segments=requested_segments,
-            **{k: v for k, v in common.items() if k != "lora_rank"},
+            **sizes,
+            **{k: v for k, v in pricing.items() if k != "lora_rank"},
         ),
-        optimizer_kind=optimizer_kind,
-        backend=backend,
+        optimizer_kind=pricing["optimizer_kind"],
+        backend=pricing["backend"],
     )
     raise will_not_fit(breakdown, available_bytes, rank_ceiling=ceiling, tried=counts)
 
@@ -108,12 +98,8 @@ def plan_validation_forward(
     *,
     max_seq_len: int,
     max_supervised_tokens: int,
-    lora_rank: int,
-    optimizer_kind: str,
-    loss_route: str,
-    backend: Backend,
-    weights_resident: bool,
     available_bytes: int,
+    **pricing: Unpack[Pricing],
 ) -> Breakdown:
     """The working set of a validation forward over the longest validation row (no gradient;
     `memory.forward_estimate`), or the 413 `training_will_not_fit` naming the validation forward.
@@ -121,14 +107,7 @@ def plan_validation_forward(
     Admission admits `max(training plan, validation forward)`: held-out rows longer than every
     training row can need more than a training step without a backward."""
     breakdown = forward_estimate(
-        config,
-        max_seq_len=max_seq_len,
-        max_supervised_tokens=max_supervised_tokens,
-        lora_rank=lora_rank,
-        optimizer_kind=optimizer_kind,
-        loss_route=loss_route,
-        backend=backend,
-        weights_resident=weights_resident,
+        config, max_seq_len=max_seq_len, max_supervised_tokens=max_supervised_tokens, **pricing
     )
     if not breakdown.fits(available_bytes):
         raise validation_will_not_fit(breakdown, available_bytes)
@@ -158,29 +137,18 @@ def check_row_plan_fits(
     rows: Iterable[tuple[int, int]],
     plan: dict,
     *,
-    lora_rank: int,
-    optimizer_kind: str,
-    loss_route: str,
-    backend: Backend,
-    weights_resident: bool,
     available_bytes: int,
+    **pricing: Unpack[Pricing],
 ) -> Breakdown | None:
     """Re-admit a pinned per-row plan (a resume's) against today's budget: each row's bound with
     the segments the plan gives it must fit `available_bytes`; raises 413 for the worst row that
     does not. `rows` are `(seq_len, supervised_tokens)`. Returns the largest row bound (None for
     no rows)."""
-    common = {
-        "lora_rank": lora_rank,
-        "optimizer_kind": optimizer_kind,
-        "loss_route": loss_route,
-        "backend": backend,
-        "weights_resident": weights_resident,
-    }
     budget = plan.get("budget_bytes")
 
     def bound(seq_len: int, supervised: int, segments: int) -> Breakdown:
         return estimate(
-            config, max_seq_len=seq_len, max_supervised_tokens=supervised, num_segments=segments, **common
+            config, max_seq_len=seq_len, max_supervised_tokens=supervised, num_segments=segments, **pricing
         )
 
     worst: tuple[Breakdown, int, int, int] | None = None
@@ -200,7 +168,7 @@ def check_row_plan_fits(
             max_supervised_tokens=supervised,
             available_bytes=available_bytes,
             requested_segments=s,
-            **common,
+            **pricing,
         )
     return breakdown
 

@@ -58,12 +58,7 @@ class Evaluation:
 
     def to_json(self) -> dict:
         """The record checkpoints and receipts keep (`EVALUATION_FIELDS`)."""
-        return {
-            "global_step": self.global_step,
-            "epoch": self.epoch,
-            "loss": self.loss,
-            "token_accuracy": self.token_accuracy,
-        }
+        return {name: getattr(self, name) for name in EVALUATION_FIELDS}
 
 
 @dataclass(frozen=True)

@@ -114,13 +114,8 @@ def _decode(loaded: ckpt.LoadedCheckpoint, rel: str) -> dict[str, torch.Tensor]:
         ) from None
 
 
-def adapter_tensors(
-    loaded: ckpt.LoadedCheckpoint, layout: dict[str, tuple[int, ...]], dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    """The checkpoint's adapter tensors, checked against the LoRA layout: exact key set, shapes,
-    the resident parameter dtype, finite values."""
-    where = f"checkpoint {loaded.path.name!r}: {ckpt.ADAPTER_FILE}"
-    tensors = _decode(loaded, ckpt.ADAPTER_FILE)
+def _check_leaf_set(where: str, layout: dict[str, tuple[int, ...]], tensors: dict[str, torch.Tensor]) -> None:
+    """`shape_mismatch` unless the tensors are exactly the LoRA leaves of `layout`."""
     missing = [k for k in layout if k not in tensors]
     unknown = sorted(k for k in tensors if k not in layout)
     if missing or unknown:
@@ -129,6 +124,16 @@ def adapter_tensors(
             f"{where}: the tensor set differs from the LoRA leaves ({len(missing)} missing, first "
             f"{missing[:1]}; {len(unknown)} unknown, first {unknown[:1]})",
         )
+
+
+def adapter_tensors(
+    loaded: ckpt.LoadedCheckpoint, layout: dict[str, tuple[int, ...]], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The checkpoint's adapter tensors, checked against the LoRA layout: exact key set, shapes,
+    the resident parameter dtype, finite values."""
+    where = f"checkpoint {loaded.path.name!r}: {ckpt.ADAPTER_FILE}"
+    tensors = _decode(loaded, ckpt.ADAPTER_FILE)
+    _check_leaf_set(where, layout, tensors)
     for key, shape in layout.items():
         t = tensors[key]
         if tuple(t.shape) != shape or t.dtype != dtype:

@@ -125,9 +125,7 @@ def _succeed(request: TrainRequest, run: SftRun, facts: RunFacts, t0: float) -> 
         extra_files=extra,
         fence=request.fence,
     )
-    return _result(
-        run, facts, status="success", adapter_path=path, receipt=receipt, receipt_path=path / TRAIN_RECEIPT
-    )
+    return _result(run, facts, receipt, path / TRAIN_RECEIPT, adapter_path=path)
 
 
 def _fail(request: TrainRequest, run: SftRun, facts: RunFacts, t0: float, exc: Exception) -> TrainResult:
@@ -140,32 +138,30 @@ def _fail(request: TrainRequest, run: SftRun, facts: RunFacts, t0: float, exc: E
     _settle(facts, run, t0, None, epochs_done=run.loop.epoch_index)
     receipt = build_receipt(facts, status="failed", failure_reason=reason, failure_message=message)
     path = write_failed_receipt(run.registry, run.adapter_name, run.run_id, receipt)
-    return _result(
-        run,
-        facts,
-        status="failed",
-        adapter_path=None,
-        receipt=receipt,
-        receipt_path=path,
-        failure_reason=reason,
-        failure_message=message,
-    )
+    return _result(run, facts, receipt, path, adapter_path=None)
 
 
-def _result(run: SftRun, facts: RunFacts, **outcome) -> TrainResult:
-    """The run's `TrainResult`: its progress and measurements, and the outcome given."""
+def _result(
+    run: SftRun, facts: RunFacts, receipt: dict, receipt_path: Path, *, adapter_path: Path | None
+) -> TrainResult:
+    """The run's `TrainResult`: its progress and measurements, and the outcome its receipt records."""
     history = run.loop.loss_history
     return TrainResult(
+        status=receipt["status"],
         adapter_name=run.adapter_name,
+        adapter_path=adapter_path,
+        receipt=receipt,
+        receipt_path=receipt_path,
         global_step=run.loop.global_step,
         total_steps=run.total_steps,
         final_loss=history[-1] if history else None,
+        failure_reason=receipt["failure_reason"],
+        failure_message=receipt.get("failure_message"),
         checkpoints=run.checkpoints,
         peak_memory_bytes=facts.peak_memory_bytes,
         wall_clock_ms=facts.wall_clock_ms,
         loss_history=list(history),
         validation_history=[dict(e) for e in run.validation_history],
-        **outcome,
     )
 
 
