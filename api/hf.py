@@ -44,6 +44,7 @@ from kiln_train.sft_config import (
     AdamWConfig,
     OptimizerConfig,
     SftConfig,
+    check_one_row_source,
     describe_validation_error,
 )
 
@@ -102,13 +103,7 @@ class HfSftExportRequest(BaseModel):
 
     @model_validator(mode="after")
     def _one_transport(self) -> HfSftExportRequest:
-        given = [n for n in ("examples", "dataset_path") if getattr(self, n) is not None]
-        if len(given) != 1:
-            raise ValueError("exactly one of examples or dataset_path is required")
-        if self.examples is not None and not self.examples:
-            raise ValueError("examples must contain at least one example")
-        if self.dataset_path is not None and not self.dataset_path.strip():
-            raise ValueError("dataset_path must not be blank")
+        check_one_row_source(self, ("examples", "dataset_path"))
         return self
 
     def sft_config(self) -> SftConfig:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api.admission import parse_submission, plan_sft
 from api.services import Services
+from kiln_train.data.ingestion import TokenStats
 from kiln_train.plan.optimizer_support import rank_range
 from kiln_train.plan.segments import admissible_rank_ceiling, max_rank_that_fits
 
@@ -128,10 +129,7 @@ def preflight_sft(svc: Services, body: object) -> PreflightResponse:
         total_steps=total_steps,
         grad_checkpoint_segments=segments.num_segments,
         auto_segments=plan.auto_segments,
-        max_seq_len=ingestion.max_seq_len,
-        max_supervised_tokens=ingestion.max_supervised_tokens,
-        total_tokens=ingestion.total_tokens,
-        total_supervised_tokens=ingestion.total_supervised_tokens,
+        **TokenStats.of(ingestion.rows).to_dict(),
         memory=PreflightMemory(
             estimate_bytes=plan.memory_estimate_bytes,
             available_bytes=segments.available_bytes,
@@ -183,10 +181,7 @@ def _validation(plan, total_steps: int, rows: int) -> PreflightValidation | None
         holdout_percent=part.get("holdout_percent"),
         interval_steps=validation.interval_steps,
         **_row_counts(part),
-        max_seq_len=validation.max_seq_len,
-        max_supervised_tokens=validation.max_supervised_tokens,
-        total_tokens=validation.total_tokens,
-        total_supervised_tokens=validation.supervised_tokens,
+        **validation.stats.to_dict(),
         corpus_sha256=validation.corpus_sha256,
         evaluations=evaluation_count(total_steps, rows, validation.interval_steps, start),
         memory=PreflightMemory(

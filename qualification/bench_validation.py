@@ -98,7 +98,7 @@ def measure(model_dir: str, length: int, *, steps: int, validation_rows: int, ra
         if current[0] == "eval" and previous[0] == "step" and current[1] >= 1:
             eval_s.append(current[2] - previous[2])
             eval_cpu.append(current[3] - previous[3])
-    tokens, eval_tokens = statistics.median(step_tokens), validation.total_tokens
+    tokens, eval_tokens = statistics.median(step_tokens), validation.stats.total_tokens
     out = {
         "length": length,
         "train_tokens": tokens,

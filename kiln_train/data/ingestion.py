@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kiln_train.data.chat_template import (
@@ -129,6 +129,29 @@ class RowOutcome:
     @property
     def kept(self) -> bool:
         return self.tokenized is not None
+
+
+@dataclass(frozen=True)
+class TokenStats:
+    """The longest row, the most supervised row and the totals of a set of tokenized rows (what
+    memory admission prices and receipts and preflight report)."""
+
+    max_seq_len: int
+    max_supervised_tokens: int
+    total_tokens: int
+    total_supervised_tokens: int
+
+    @classmethod
+    def of(cls, rows: Sequence[TokenizedRow]) -> TokenStats:
+        return cls(
+            max_seq_len=max(r.seq_len for r in rows),
+            max_supervised_tokens=max(r.supervised_tokens for r in rows),
+            total_tokens=sum(r.seq_len for r in rows),
+            total_supervised_tokens=sum(r.supervised_tokens for r in rows),
+        )
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -362,14 +385,7 @@ def apply_invalid_row_policy(
 
 def ingestion_result(receipt: dict, rows: list[TokenizedRow]) -> IngestionResult:
     """An `IngestionResult` of `rows` under `receipt`, with the rows' length statistics."""
-    return IngestionResult(
-        receipt=receipt,
-        rows=rows,
-        max_seq_len=max(r.seq_len for r in rows),
-        max_supervised_tokens=max(r.supervised_tokens for r in rows),
-        total_tokens=sum(r.seq_len for r in rows),
-        total_supervised_tokens=sum(r.supervised_tokens for r in rows),
-    )
+    return IngestionResult(receipt=receipt, rows=rows, **TokenStats.of(rows).to_dict())
 
 
 def ingest_examples(

@@ -27,6 +27,7 @@ from kiln_train.data.chat_template import ChatTemplate
 from kiln_train.data.ingestion import (
     IngestionResult,
     TokenizedRow,
+    TokenStats,
     ingestion_result,
     iter_example_outcomes,
     iter_jsonl_outcomes,
@@ -62,20 +63,9 @@ class ValidationSet:
         return self.part["kept_corpus_sha256"]
 
     @property
-    def supervised_tokens(self) -> int:
-        return sum(r.supervised_tokens for r in self.rows)
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(r.seq_len for r in self.rows)
-
-    @property
-    def max_seq_len(self) -> int:
-        return max(r.seq_len for r in self.rows)
-
-    @property
-    def max_supervised_tokens(self) -> int:
-        return max(r.supervised_tokens for r in self.rows)
+    def stats(self) -> TokenStats:
+        """Lengths and supervised counts of the held-out rows (memory admission prices the longest)."""
+        return TokenStats.of(self.rows)
 
     def identity(self) -> dict:
         """What a checkpoint binds (a resume must bring the same) and the receipt section opens
@@ -84,7 +74,7 @@ class ValidationSet:
             "schema": VALIDATION_SCHEMA,
             "source": self.source,
             "rows": len(self.rows),
-            "supervised_tokens": self.supervised_tokens,
+            "supervised_tokens": self.stats.total_supervised_tokens,
             "corpus_sha256": self.corpus_sha256,
             "interval_steps": self.interval_steps,
         }

@@ -164,10 +164,11 @@ def _plan_validation(
     """The forward over the longest held-out row must fit the same budget (413 otherwise)."""
     if validation is None:
         return None
+    stats = validation.stats
     return plan_validation_forward(
         target.model,
-        max_seq_len=validation.max_seq_len,
-        max_supervised_tokens=validation.max_supervised_tokens,
+        max_seq_len=stats.max_seq_len,
+        max_supervised_tokens=stats.max_supervised_tokens,
         available_bytes=available,
         **_pricing(config, target),
     )

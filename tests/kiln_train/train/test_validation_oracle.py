@@ -85,7 +85,7 @@ def test_validation_loss_and_accuracy_equal_transformers_with_peft(
     loss, accuracy = reference(adapted, oracle_cases)
 
     print(
-        f"\nvalidation oracle ({ROWS} rows, {validation.supervised_tokens} targets): "
+        f"\nvalidation oracle ({ROWS} rows, {validation.stats.total_supervised_tokens} targets): "
         f"baseline kiln {baseline['loss']!r} vs transformers {base_loss!r} "
         f"(rel {abs(baseline['loss'] - base_loss) / base_loss:.2e}); "
         f"final kiln {final['loss']!r} vs transformers+peft {loss!r} (rel {abs(final['loss'] - loss) / loss:.2e}); "

@@ -107,7 +107,7 @@ def test_evaluations_are_the_baseline_every_epoch_end_and_every_interval(residen
     # 9 steps of 3 rows: epoch ends 3, 6, 9; interval 4: 4, 8; step 0 is the baseline.
     assert evaluation_steps(result.validation_history) == [(0, 0), (3, 1), (4, 1), (6, 2), (8, 2), (9, 3)]
     assert [e.to_json() for e in seen] == result.validation_history
-    assert all(e.rows == 2 and e.supervised_tokens == validation.supervised_tokens for e in seen)
+    assert all(e.rows == 2 and e.supervised_tokens == validation.stats.total_supervised_tokens for e in seen)
     for entry in result.validation_history:
         assert math.isfinite(entry["loss"]) and entry["loss"] > 0 and 0 <= entry["token_accuracy"] <= 1
     section = result.receipt["validation"]
