@@ -94,7 +94,7 @@ class ManifestDraft:
 
 
 def checkpoint_effective_config(config: SftConfig) -> dict[str, Any]:
-    """`effective_config`: the resolved config's JSON minus `resume_checkpoint` (§5.2)."""
+    """`effective_config`: the resolved config's JSON minus `resume_checkpoint` (docs/checkpoints.md#manifest)."""
     if config.learning_rate is None or config.seed is None:
         raise CheckpointError("effective_config: learning_rate and seed must be resolved (SftConfig.resolve)")
     value = config.to_json()

@@ -45,7 +45,7 @@ class LoadedCheckpoint:
 
     path: Path
     manifest: CheckpointManifest
-    manifest_sha256: str  # bare hex of the manifest bytes (what the queue retains, §5.7)
+    manifest_sha256: str  # bare hex of the manifest bytes (the queue keeps it; docs/checkpoints.md#loading)
     files: dict[str, FileRecord]
     loop_state: SftLoopState
 
@@ -154,7 +154,8 @@ def read_checkpoint_manifest(path: Path) -> tuple[CheckpointManifest, str]:
 
 
 def load_checkpoint(path: Path, *, verify_hashes: bool = True) -> LoadedCheckpoint:
-    """Full validation of one checkpoint directory (§5.7); raises `CheckpointError` naming the fault."""
+    """Full validation of one checkpoint directory (docs/checkpoints.md#loading); raises
+    `CheckpointError` naming the fault."""
     path = Path(path)
     try:
         manifest, manifest_sha256 = _read_manifest(path)

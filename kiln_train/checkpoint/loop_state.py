@@ -3,9 +3,9 @@
 It is everything the SFT loop carries from one step to the next besides tensors: the per-step
 loss history, the running epoch sums, the first/best epoch means and the LoRA gradient-norm
 accumulator. Floats are written with Python's shortest round-trip repr, so a resumed run sees
-bit-identical values. Invariants (§5.1): `len(loss_history) == global_step`, `last_loss` is the
-last element (null before any step), `current_epoch_items == cursor_in_epoch`, the epoch-loss
-fields are present exactly when `epoch_index > 0`, everything finite; and, because the writer
+bit-identical values. Invariants: `len(loss_history) == global_step`, `last_loss` is the last
+element (null before any step), `current_epoch_items == cursor_in_epoch`, the epoch-loss fields
+are present exactly when `epoch_index > 0`, everything finite; and, because the writer
 checkpoints an epoch boundary after the epoch-end bookkeeping, a zero cursor means a zero
 running sum. Against the manifest's progress (`check_loop_state_progress`) the running sum and
 the first/best epoch means must also be exactly what the loss history gives.
@@ -110,7 +110,7 @@ class SftLoopState(BaseModel):
 
 
 def validate_loop_state(state: SftLoopState) -> None:
-    """The §5.1 invariants; raises `CheckpointError` naming the field."""
+    """The loop-state invariants (docs/checkpoints.md#loop-state); raises `CheckpointError` naming the field."""
     what = LOOP_STATE_FILE
     if len(state.loss_history) != state.global_step:
         raise CheckpointError(

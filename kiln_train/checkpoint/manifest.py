@@ -23,7 +23,7 @@ from kiln_train.checkpoint.json_io import dump_pretty_json, load_strict_json
 from kiln_train.model.config import LORA_INIT_ALGORITHM
 from kiln_train.sft_config import U64_MAX, OptimizerConfig
 
-# ----- layout (§5.1) --------------------------------------------------------------------------
+# ----- layout (docs/checkpoints.md#layout) --------------------------------------------------------
 SCHEMA_VERSION = 1
 MANIFEST_TYPE = "kiln.training-checkpoint.v1"
 CHECKPOINT_KIND = "resumable"
@@ -40,7 +40,7 @@ ADAPTER_FILE = "adapter.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 LOOP_STATE_FILE = "sft_loop_state.json"
 
-# ----- enums (§5.2) ---------------------------------------------------------------------------
+# ----- enums (docs/checkpoints.md#manifest) -------------------------------------------------------
 TrainingKind = Literal["sft", "grpo", "opd", "capability-distillation"]
 FileRole = Literal[
     "adapter-parameters",
@@ -67,7 +67,7 @@ LORA_INIT_STREAM = "lora-init"
 SCHEDULER_KIND = "constant"
 ROUND_TO_NEAREST = "round_to_nearest"
 
-# ----- SFT auxiliary state (§5.3) -------------------------------------------------------------
+# ----- SFT auxiliary state (docs/checkpoints.md#bound-identities) ---------------------------------
 SFT_LOOP_STATE_TYPE = "kiln.sft-loop-state.v1"
 SFT_PLANNING_SCHEMA = "kiln.training-checkpoint-planning.v4"
 SFT_AUXILIARY_KEYS = (
@@ -129,7 +129,7 @@ def _omit_none(value: Any) -> bool:
 
 
 def check_identifier(field: str, value: str) -> None:
-    """Identifiers are 1..=255 bytes of `[A-Za-z0-9._-]` and never `.` or `..` (§5.2)."""
+    """Identifiers are 1..=255 bytes of `[A-Za-z0-9._-]` and never `.` or `..` (docs/checkpoints.md#manifest)."""
     if (
         not value
         or len(value.encode("utf-8")) > MAX_IDENTIFIER_BYTES
@@ -142,12 +142,12 @@ def check_identifier(field: str, value: str) -> None:
 
 
 def checkpoint_id_for(global_step: int) -> str:
-    """`sft-step-<global_step:08>` (§5.1)."""
+    """`sft-step-<global_step:08>` (docs/checkpoints.md#layout)."""
     return f"sft-step-{global_step:08d}"
 
 
 def checkpoint_dir_name(adapter_name: str, global_step: int) -> str:
-    """`<adapter>-checkpoint-step-<global_step:08>.kiln-checkpoint` (§5.1)."""
+    """`<adapter>-checkpoint-step-<global_step:08>.kiln-checkpoint` (docs/checkpoints.md#layout)."""
     check_identifier("adapter_name", adapter_name)
     return f"{adapter_name}-checkpoint-step-{global_step:08d}{CHECKPOINT_SUFFIX}"
 
@@ -159,8 +159,8 @@ def strip_sha256_prefix(digest: str) -> str:
 
 # ----- typed parts ----------------------------------------------------------------------------
 class PrecisionPolicy(BaseModel):
-    """`precision_policy` (§5.2); the rounding record stays an open object so a legacy stochastic
-    record parses and is then refused with a precise message."""
+    """`precision_policy` (docs/checkpoints.md#manifest); the rounding record stays an open object
+    so a legacy stochastic record parses and is then refused with a precise message."""
 
     model_config = _PART
     parameter_dtype: str
@@ -287,7 +287,8 @@ class FileRecord(BaseModel):
 
 
 class CheckpointManifest(BaseModel):
-    """`checkpoint_manifest.json` (§5.2). Shape only; `rules.validate_manifest` checks the meaning."""
+    """`checkpoint_manifest.json` (docs/checkpoints.md#manifest). Shape only;
+    `rules.validate_manifest` checks the meaning."""
 
     model_config = _PART
     schema_version: Literal[1]

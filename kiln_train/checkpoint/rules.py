@@ -1,10 +1,10 @@
 """What a checkpoint manifest must mean, beyond its shape (docs/checkpoints.md#manifest,
 docs/checkpoints.md#bound-identities).
 
-`validate_manifest` runs every rule that needs only the manifest: the §5.2 validation list, the
-SFT cross-bindings (seed, learning rate, optimizer, data arithmetic, the recomputed epoch order)
-and the resumability gates of §5.7 (round-to-nearest only, the v4 planning identity, the full
-SFT auxiliary state). The writer runs it before publishing, the loader after parsing, status
+`validate_manifest` runs every rule that needs only the manifest: the manifest checks, the SFT
+cross-bindings (seed, learning rate, optimizer, data arithmetic, the recomputed epoch order) and
+the resumability gates of docs/checkpoints.md#resume (round-to-nearest only, the v4 planning
+identity, the full SFT auxiliary state). The writer runs it before publishing, the loader after parsing, status
 discovery on its own. Each failure is a `CheckpointError` naming the field.
 """
 
@@ -417,7 +417,8 @@ def _non_empty_str(value: Any) -> bool:
 
 
 def validate_manifest(m: CheckpointManifest) -> None:
-    """Every manifest-only rule of §5.2/§5.3/§5.7, in contract order; raises `CheckpointError`."""
+    """Every manifest-only rule (docs/checkpoints.md#manifest, #bound-identities, #resume), in
+    order; raises `CheckpointError`."""
     check_identifier("adapter_name", m.adapter_name)
     check_identifier("checkpoint_id", m.checkpoint_id)
     if m.training_kind != "sft":

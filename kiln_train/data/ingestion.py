@@ -7,7 +7,7 @@ dedup, ever: one accepted row is one conversation is one sequence.
 Transports:
 - inline `examples` (`ingest_examples`): objects from the request body. An example that cannot
   be deserialised as an SFT example is a transport error (400 `training_invalid_request` naming
-  the field), never a skippable row -- `invalid_json` exists for JSONL only (§3.2).
+  the field), never a skippable row -- `invalid_json` exists for JSONL only (docs/ingestion.md#transports).
 - server-local JSONL (`ingest_jsonl`, path from `resolve_dataset_path`): split on `\\n`, strip
   ASCII whitespace (space, tab, LF, FF, CR); an empty result is a blank line: ignored, not a row,
   not counted. Every other line is one row, numbered from 1. A row must be UTF-8 JSON text as

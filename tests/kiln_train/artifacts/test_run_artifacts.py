@@ -124,7 +124,7 @@ def _in_contract_order(keys: list[str], order: list[str]) -> bool:
 
 
 def check_receipt_shape(r: dict) -> None:
-    """Every §4 rule a reader can check on one receipt; AssertionError names the first broken one."""
+    """Every rule a reader can check on one receipt (docs/artifacts.md#train-receipt); AssertionError names the first broken one."""
     _check_envelope(r)
     _check_sections(r)
     _check_identities(r)
@@ -265,7 +265,7 @@ def check_smoke_shape(s: dict) -> None:
 
 
 def check_adapter_dir(path, receipt: dict, *, parent: str | None, rank: int, alpha: float) -> None:
-    """§6.1-§6.4: the files, adapter_config.json, tensor names/dtypes and adapter_manifest.json."""
+    """docs/artifacts.md#peft-adapter: the files, adapter_config.json, tensor names/dtypes and adapter_manifest.json."""
     cfg_text = (path / "adapter_config.json").read_text()
     assert json.loads(cfg_text) == adapter_config(rank, alpha)
     assert list(json.loads(cfg_text)) == [

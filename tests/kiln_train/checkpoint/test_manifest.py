@@ -1,4 +1,4 @@
-"""The manifest `kiln.training-checkpoint.v1`: shape, every §5.2 rule, SFT bindings and §5.7 gates."""
+"""The manifest `kiln.training-checkpoint.v1`: shape, every manifest rule, SFT bindings and resume gates (docs/checkpoints.md#manifest)."""
 
 from __future__ import annotations
 
