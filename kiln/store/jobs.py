@@ -54,6 +54,13 @@ def get_job(session: Session, job_id: str, *, include_deleted: bool = False) -> 
     return job
 
 
+def reread_job(session: Session, job_id: str) -> Job:
+    """The job a transition of this transaction has just matched and written, read back."""
+    job = get_job(session, job_id, include_deleted=True)
+    assert job is not None, job_id
+    return job
+
+
 def get_admission(session: Session, job_id: str) -> Admission | None:
     """The pinned admission the worker re-verifies at dequeue."""
     return session.get(Admission, job_id)
@@ -298,9 +305,7 @@ def finish_job(
             level=states.LEVEL_ERROR if kind == states.EVENT_FAILED else states.LEVEL_INFO,
             data={"failure_reason": failure_reason, "error_code": error_code},
         )
-    job = get_job(session, job_id, include_deleted=True)
-    assert job is not None
-    return job
+    return reread_job(session, job_id)
 
 
 def request_cancel(session: Session, job_id: str) -> str:
@@ -378,6 +383,4 @@ def delete_job(session: Session, job_id: str) -> Job:
             raise KilnError(TRAINING_JOB_NOT_FOUND, f"no training job {job_id!r}")
         raise InvalidTransition(job_id, "delete", current.state)
     append_event(session, job_id, states.EVENT_DELETED, "job deleted")
-    deleted = get_job(session, job_id, include_deleted=True)
-    assert deleted is not None
-    return deleted
+    return reread_job(session, job_id)

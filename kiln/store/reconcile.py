@@ -19,7 +19,7 @@ from kiln.store.admission import next_queue_seq
 from kiln.store.artifacts import get_checkpoint, register_adapter
 from kiln.store.errors import InvalidTransition
 from kiln.store.events import append_event
-from kiln.store.jobs import get_job
+from kiln.store.jobs import get_job, reread_job
 from kiln.store.models import Checkpoint, Job, JobEvent, Runner, TrainingStep, ValidationEvaluation, store_now
 
 
@@ -116,6 +116,14 @@ def _expired_lease_update(
         raise InvalidTransition(job_id, wanted, current.state if current else None)
 
 
+def _lost_job(session: Session, job_id: str, wanted: str) -> Job:
+    """The job a reconciler transition is about to act on; InvalidTransition when it is gone."""
+    job = get_job(session, job_id, include_deleted=True)
+    if job is None:
+        raise InvalidTransition(job_id, wanted, None)
+    return job
+
+
 def _requeue_expired(session: Session, job_id: str, wanted: str, now: datetime, **values) -> None:
     """Back to the queue, unowned and unpublished, at its back; `values` say where it starts
     again. A job with a cancel request is not requeued."""
@@ -137,8 +145,7 @@ def _requeue_expired(session: Session, job_id: str, wanted: str, now: datetime, 
 
 def _announce_requeue(session: Session, job_id: str, message: str, data: dict) -> Job:
     """The `requeued` event of a job put back in the queue (its attempts so far added)."""
-    job = get_job(session, job_id, include_deleted=True)
-    assert job is not None
+    job = reread_job(session, job_id)
     append_event(
         session,
         job_id,
@@ -241,9 +248,7 @@ def fail_worker_lost(session: Session, job_id: str, now: datetime | None = None)
     """Fail a job whose lease expired: `failure_reason = worker_lost`, or `cancelled` when a
     cancel had been requested (the run was going to end cancelled anyway)."""
     now = now or store_now(session)
-    job = get_job(session, job_id, include_deleted=True)
-    if job is None:
-        raise InvalidTransition(job_id, "fail an expired lease", None)
+    job = _lost_job(session, job_id, "fail an expired lease")
     reason = states.REASON_CANCELLED if job.cancel_requested else states.REASON_WORKER_LOST
     message = f"worker {job.worker_id} stopped renewing its lease (expired {job.lease_expires_at})"
     _expired_lease_update(
@@ -265,9 +270,7 @@ def fail_worker_lost(session: Session, job_id: str, now: datetime | None = None)
         level=states.LEVEL_ERROR,
         data={"failure_reason": reason, "worker_id": job.worker_id},
     )
-    failed = get_job(session, job_id, include_deleted=True)
-    assert failed is not None
-    return failed
+    return reread_job(session, job_id)
 
 
 def complete_lost_job(
@@ -287,9 +290,7 @@ def complete_lost_job(
     that: the adapter is registered and the job ends `completed` (guarded like the other
     reconciler transitions: running, lease expired)."""
     now = now or store_now(session)
-    job = get_job(session, job_id, include_deleted=True)
-    if job is None:
-        raise InvalidTransition(job_id, "complete a lost job", None)
+    job = _lost_job(session, job_id, "complete a lost job")
     _expired_lease_update(
         session,
         job_id,
@@ -322,6 +323,4 @@ def complete_lost_job(
         level=states.LEVEL_WARNING,
         data={"worker_id": job.worker_id, "adapter_path": adapter_path},
     )
-    completed = get_job(session, job_id, include_deleted=True)
-    assert completed is not None
-    return completed
+    return reread_job(session, job_id)
