@@ -84,20 +84,16 @@ class RunRecording:
         if run.lease_lost.is_set():
             raise store.LeaseLost(job_id, self.worker_id)
         lease = self.settings.training.lease_seconds
-        record = evaluation.to_json()
+        record = {
+            **evaluation.to_json(),
+            "supervised_tokens": evaluation.supervised_tokens,
+            "rows": evaluation.rows,
+        }
 
         def write(s: Session, retried: bool) -> None:
             if retried and store.evaluation_recorded(s, job_id, evaluation.global_step):
                 return
-            store.record_evaluation(
-                s,
-                job_id,
-                self.worker_id,
-                **record,
-                supervised_tokens=evaluation.supervised_tokens,
-                rows=evaluation.rows,
-                attempt=run.attempt,
-            )
+            store.record_evaluation(s, job_id, self.worker_id, record, attempt=run.attempt)
             store.renew_lease(s, job_id, self.worker_id, lease, attempt=run.attempt)
             what = (
                 "baseline (base model)" if evaluation.global_step == 0 else f"step {evaluation.global_step}"
@@ -108,7 +104,7 @@ class RunRecording:
                 states.EVENT_VALIDATION_EVALUATED,
                 f"validation at {what}: loss {evaluation.loss:.4f}, token accuracy "
                 f"{evaluation.token_accuracy:.4f}",
-                data={**record, "supervised_tokens": evaluation.supervised_tokens, "rows": evaluation.rows},
+                data=record,
             )
 
         self._transact_for_run(run, write)

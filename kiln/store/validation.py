@@ -8,38 +8,29 @@ checkpoint and a restart drops them all, like the loss curve (kiln.store.reconci
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from kiln.store.jobs import require_owner
 from kiln.store.models import Job, ValidationEvaluation, store_now
 
+# What a stored evaluation keeps: the record receipts and checkpoints keep, and its sizes.
+EVALUATION_COLUMNS = ("global_step", "epoch", "loss", "token_accuracy", "supervised_tokens", "rows")
+
 
 def record_evaluation(
-    session: Session,
-    job_id: str,
-    worker_id: str,
-    *,
-    global_step: int,
-    epoch: int,
-    loss: float,
-    token_accuracy: float,
-    supervised_tokens: int,
-    rows: int,
-    attempt: int,
+    session: Session, job_id: str, worker_id: str, evaluation: Mapping[str, Any], *, attempt: int
 ) -> ValidationEvaluation:
-    """Store one evaluation of the running job; `LeaseLost` (nothing written) unless the job is
-    running under `worker_id`'s claim `attempt`."""
+    """Store one evaluation of the running job (the `EVALUATION_COLUMNS` of `evaluation`);
+    `LeaseLost` (nothing written) unless the job is running under `worker_id`'s claim `attempt`."""
     require_owner(session, job_id, worker_id, attempt)
     row = ValidationEvaluation(
         job_id=job_id,
-        global_step=global_step,
-        epoch=epoch,
-        loss=loss,
-        token_accuracy=token_accuracy,
-        supervised_tokens=supervised_tokens,
-        rows=rows,
         evaluated_at=store_now(session),
+        **{column: evaluation[column] for column in EVALUATION_COLUMNS},
     )
     session.add(row)
     session.flush()

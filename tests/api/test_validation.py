@@ -288,12 +288,14 @@ def test_the_job_answer_and_the_metrics_carry_the_validation_curve(client, sessi
             session,
             job_id,
             WORKER,
-            global_step=0,
-            epoch=0,
-            loss=2.5,
-            token_accuracy=0.25,
-            supervised_tokens=12,
-            rows=1,
+            {
+                "global_step": 0,
+                "epoch": 0,
+                "loss": 2.5,
+                "token_accuracy": 0.25,
+                "supervised_tokens": 12,
+                "rows": 1,
+            },
             attempt=attempt,
         )
         record_step(
@@ -313,12 +315,14 @@ def test_the_job_answer_and_the_metrics_carry_the_validation_curve(client, sessi
             session,
             job_id,
             WORKER,
-            global_step=1,
-            epoch=0,
-            loss=2.25,
-            token_accuracy=0.5,
-            supervised_tokens=12,
-            rows=1,
+            {
+                "global_step": 1,
+                "epoch": 0,
+                "loss": 2.25,
+                "token_accuracy": 0.5,
+                "supervised_tokens": 12,
+                "rows": 1,
+            },
             attempt=attempt,
         )
     status = client.get(f"/v1/train/status/{job_id}").get_json()

@@ -272,10 +272,9 @@ def _seed_evaluations(history) -> tuple[str, str]:
         if not validation_history(session, ids["running"]):
             running = get_job(session, ids["running"])
             for step, loss in ((0, 3.0), (1, 2.5)):
-                record_evaluation(
-                    session, ids["running"], "worker-3", global_step=step, epoch=0, loss=loss,
-                    token_accuracy=0.1 * (step + 1), supervised_tokens=40, rows=2, attempt=running.attempts,
-                )  # fmt: skip
+                point = {"global_step": step, "epoch": 0, "loss": loss, "token_accuracy": 0.1 * (step + 1)}
+                point.update(supervised_tokens=40, rows=2)
+                record_evaluation(session, ids["running"], "worker-3", point, attempt=running.attempts)
             session.add_all(
                 ValidationEvaluation(
                     job_id=ids["a"],

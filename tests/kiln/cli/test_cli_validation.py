@@ -154,12 +154,14 @@ def test_jobs_show_prints_the_validation_curve(kiln, server, tmp_path):
                 session,
                 job_id,
                 "worker-cli",
-                global_step=step,
-                epoch=step // 3,
-                loss=loss,
-                token_accuracy=accuracy,
-                supervised_tokens=8,
-                rows=1,
+                {
+                    "global_step": step,
+                    "epoch": step // 3,
+                    "loss": loss,
+                    "token_accuracy": accuracy,
+                    "supervised_tokens": 8,
+                    "rows": 1,
+                },
                 attempt=job.attempts,
             )
     code, out, err = kiln("jobs", "show", job_id)

@@ -33,12 +33,14 @@ def _evaluate(session, job, worker, step: int, loss: float, attempt: int | None 
         session,
         job.id,
         worker,
-        global_step=step,
-        epoch=step // 5,
-        loss=loss,
-        token_accuracy=0.1 * step,
-        supervised_tokens=40,
-        rows=2,
+        {
+            "global_step": step,
+            "epoch": step // 5,
+            "loss": loss,
+            "token_accuracy": 0.1 * step,
+            "supervised_tokens": 40,
+            "rows": 2,
+        },
         attempt=job.attempts if attempt is None else attempt,
     )
 
