@@ -10,11 +10,13 @@ flushes, api kills — and then every job must have ended right (docs/ARCHITECTU
   registered, and the only other entries are hidden work directories the registry sweep removes.
 
 The summary line is printed (run with `-s` to see it) and written to `chaos-summary.txt` in the
-test's temporary directory.
+test's temporary directory. The faults follow one seeded schedule; KILN_CHAOS_SEED picks another
+(`KILN_CHAOS_SEED=7 pytest tests/worker/test_chaos.py -s`), and the summary names the seed.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import time
@@ -36,6 +38,7 @@ pytestmark = pytest.mark.slow
 
 REDIS_CHAOS = redis_url(15)
 EVENTS = 22
+DEFAULT_SEED = 20261201
 LEASE, STALE = 6, 10  # the Stack's lease and runner-stale seconds
 BODIES = [
     sft_body(5, epochs=4, checkpoint_interval=3, seed=61, optimizer={"kind": "adam_w"}),
@@ -119,7 +122,8 @@ def test_twenty_faults_lose_nothing_run_nothing_twice_and_keep_every_bit(chaos_s
         assert final["state"] == "completed", final
         reference_bytes.append(adapter_file(stack, final["adapter_name"]).read_bytes())
 
-    chaos = Chaos(stack, random.Random(20261201))
+    seed = int(os.environ.get("KILN_CHAOS_SEED") or DEFAULT_SEED)
+    chaos = Chaos(stack, random.Random(seed))
     for _ in range(EVENTS):
         while chaos.active() < 3:
             chaos.submit(len(chaos.jobs) % len(BODIES))
@@ -147,7 +151,7 @@ def test_twenty_faults_lose_nothing_run_nothing_twice_and_keep_every_bit(chaos_s
             identical += 1
     residue = registry_residue(stack, url)
     summary = (
-        f"chaos: {sum(chaos.faults.values())} faults ({', '.join(f'{n} {k}' for k, n in sorted(chaos.faults.items()))}); "
+        f"chaos (seed {seed}): {sum(chaos.faults.values())} faults ({', '.join(f'{n} {k}' for k, n in sorted(chaos.faults.items()))}); "
         f"{len(chaos.jobs)} jobs: {outcomes['completed']} completed, {outcomes['failed']} failed "
         f"({exhausted} with attempts exhausted); 0 lost; {len(run_twice)} run twice; "
         f"{identical}/{outcomes['completed']} adapters bit-identical to uninterrupted runs; "
