@@ -28,3 +28,17 @@ def labels_from(input_ids: list[int], ranges: list[list[int]]) -> list[int]:
     for a, b in ranges:
         labels[a:b] = input_ids[a:b]
     return labels
+
+
+def assert_cases_match_the_oracle(cases: list[dict], outcomes: list) -> None:
+    """Each case was kept with the oracle's text, token ids, labels and supervised-token count."""
+    for case, outcome in zip(cases, outcomes, strict=True):
+        name = case["name"]
+        assert "error" not in case, name
+        assert outcome.kept, (name, outcome.reason, outcome.detail)
+        row = outcome.tokenized
+        assert outcome.rendered.text == case["text"], name
+        assert row.input_ids == case["input_ids"], name
+        labels = labels_from(case["input_ids"], case["supervised_ranges"])
+        assert row.labels == labels, name
+        assert row.supervised_tokens == sum(1 for label in labels[1:] if label != IGNORE_INDEX), name

@@ -46,6 +46,19 @@ def checkpoint_files(root, name, file):
     return {p.name: (p / file).read_bytes() for p in sorted(root.glob(f"{name}-checkpoint-step-*"))}
 
 
+def train_validated(resident, ingested, validation, root, name, resume_checkpoint=None, **config):
+    """One run with this module's seed over `ingested`, evaluated on `validation`."""
+    return train(
+        resident,
+        make_config(seed=SEED, **config),
+        ingested,
+        root,
+        adapter_name=name,
+        validation=validation,
+        resume_checkpoint=resume_checkpoint,
+    )
+
+
 @pytest.mark.parametrize("optimizer", ["adam_w", "muon", "sgd"])
 def test_validation_never_changes_a_bit_of_training(resident, ingestion, tmp_path, optimizer):
     config = make_config(seed=SEED, epochs=EPOCHS, optimizer={"kind": optimizer}, checkpoint_interval=2)
@@ -122,14 +135,7 @@ def test_evaluations_are_the_baseline_every_epoch_end_and_every_interval(residen
 
 def test_the_baseline_is_the_base_model(resident, ingestion, tmp_path):
     validated_ingestion, validation = with_validation(resident, ingestion)
-    result = train(
-        resident,
-        make_config(seed=SEED, epochs=1),
-        validated_ingestion,
-        tmp_path,
-        adapter_name="baseline",
-        validation=validation,
-    )
+    result = train_validated(resident, validated_ingestion, validation, tmp_path, "baseline", epochs=1)
     assert result.status == "success", result.failure_message
     release_lora(resident.model)
     base = evaluate(
@@ -178,13 +184,8 @@ def test_the_chunked_pass_equals_dense_logits_without_them(resident, ingestion):
 
 def test_checkpoints_bind_the_validation_corpus_and_carry_the_history(resident, ingestion, tmp_path):
     validated_ingestion, validation = with_validation(resident, ingestion, interval=2)
-    result = train(
-        resident,
-        make_config(seed=SEED, epochs=EPOCHS, checkpoint_interval=2),
-        validated_ingestion,
-        tmp_path,
-        adapter_name="bound",
-        validation=validation,
+    result = train_validated(
+        resident, validated_ingestion, validation, tmp_path, "bound", epochs=EPOCHS, checkpoint_interval=2
     )
     assert result.status == "success", result.failure_message
     for record in result.checkpoints:
@@ -234,13 +235,8 @@ def test_a_cancel_during_an_evaluation_stops_at_once_and_leaves_the_checkpoint(r
     validated_ingestion, validation = with_validation(
         resident, ingestion, interval=2, rows=conversations(3, offset=60)
     )
-    full = train(
-        resident,
-        make_config(seed=SEED, epochs=EPOCHS),
-        validated_ingestion,
-        tmp_path / "full",
-        adapter_name="cancel",
-        validation=validation,
+    full = train_validated(
+        resident, validated_ingestion, validation, tmp_path / "full", "cancel", epochs=EPOCHS
     )
     result, state = _cancel_during_evaluation(
         resident, validated_ingestion, validation, tmp_path / "cut", at_step=4, after_rows=1
@@ -257,14 +253,8 @@ def test_a_cancel_during_an_evaluation_stops_at_once_and_leaves_the_checkpoint(r
 
     # The resume evaluates the step the cancel interrupted first, then continues: the whole history
     # and the adapter are the uninterrupted run's, bit for bit.
-    resumed = train(
-        resident,
-        make_config(seed=SEED, epochs=EPOCHS),
-        validated_ingestion,
-        tmp_path / "cut",
-        adapter_name="cancel",
-        validation=validation,
-        resume_checkpoint=written,
+    resumed = train_validated(
+        resident, validated_ingestion, validation, tmp_path / "cut", "cancel", written, epochs=EPOCHS
     )
     assert resumed.status == "success", resumed.failure_message
     assert resumed.validation_history == full.validation_history
@@ -382,27 +372,15 @@ def test_validation_rows_must_match_the_receipt_that_admitted_them(resident, ing
         (ingestion, validation),
         (validated_ingestion, ValidationSet(validation.rows[:1], validation.part, None)),
     ):
-        result = train(
-            resident,
-            make_config(seed=SEED, epochs=1),
-            ingested,
-            tmp_path,
-            adapter_name="rows",
-            validation=vset,
-        )
+        result = train_validated(resident, ingested, vset, tmp_path, "rows", epochs=1)
         assert result.failure_reason == "data_schema_error", result.failure_message
         assert result.validation_history == []
 
 
 def test_the_manifest_rules_check_the_validation_members(resident, ingestion, tmp_path):
     validated_ingestion, validation = with_validation(resident, ingestion, interval=2)
-    result = train(
-        resident,
-        make_config(seed=SEED, epochs=EPOCHS, checkpoint_interval=2),
-        validated_ingestion,
-        tmp_path,
-        adapter_name="rules",
-        validation=validation,
+    result = train_validated(
+        resident, validated_ingestion, validation, tmp_path, "rules", epochs=EPOCHS, checkpoint_interval=2
     )
     path = result.checkpoints[0]["path"]
     manifest = json.loads((ckpt.load_checkpoint(path).path / ckpt.MANIFEST_FILENAME).read_text())
