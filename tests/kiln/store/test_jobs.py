@@ -27,10 +27,8 @@ from kiln.store import (
     get_job,
     list_events,
     loss_history,
-    make_engine,
     record_step,
     request_cancel,
-    session_factory,
     states,
 )
 from kiln.store.errors import (
@@ -40,11 +38,9 @@ from kiln.store.errors import (
 )
 from kiln_train.errors import KilnError
 from tests.kiln.store.store_support import (
-    BACKENDS,
     admit,
     claim_and_finish,
     event_kinds,
-    migrated_database,
     run_steps,
     running_job,
 )
@@ -403,14 +399,6 @@ def test_delete_only_terminal_jobs_and_keep_history(factory):
         assert caught.value.code == TRAINING_JOB_NOT_FOUND
         rows = session.scalars(select(JobEvent.kind).where(JobEvent.job_id == job.id)).all()
         assert rows[-1] == states.EVENT_DELETED
-
-
-@pytest.fixture(params=BACKENDS)
-def fresh_factory(request, tmp_path):
-    with migrated_database(request.param, tmp_path) as url:
-        engine = make_engine(url)
-        yield session_factory(engine)
-        engine.dispose()
 
 
 def test_two_deletes_of_one_finished_job_one_wins_the_other_is_not_found(fresh_factory):
