@@ -28,6 +28,19 @@ from kiln_train.data.ingestion import ingest_examples
 from kiln_train.interop.bundle import MANIFEST, manifest_digest
 
 TRAIN_THREADS = 1
+# The files an export bundle's manifest lists; the bundle also holds the manifest itself.
+MANIFEST_FILES = {
+    "README.md",
+    "chat_template_training.jinja",
+    "config.json",
+    "ingestion_receipt.json",
+    "initial_adapter/adapter_config.json",
+    "initial_adapter/adapter_model.safetensors",
+    "requirements.lock",
+    "tokenizer.json",
+    "train.jsonl",
+    "train.py",
+}
 
 # adapter_config.json exactly as PEFT 0.21.2 saves a LoRA adapter trained by TRL (r, alpha and
 # target_modules filled in per test).
