@@ -295,6 +295,18 @@ def _interleave_before_update(engine, factory, marker: str, interloper):
     return fired, lambda: event.remove(engine, "before_cursor_execute", before)
 
 
+def _raced_cancel(engine, factory, job_id: str, marker: str, interloper) -> pytest.ExceptionInfo[KilnError]:
+    """`request_cancel` of `job_id` with `interloper` run just before its UPDATE: it must refuse."""
+    fired, remove = _interleave_before_update(engine, factory, marker, interloper)
+    try:
+        with factory.begin() as session, pytest.raises(KilnError) as caught:
+            request_cancel(session, job_id)
+    finally:
+        remove()
+    assert fired == [True]
+    return caught
+
+
 def test_cancel_racing_a_claim_answers_already_started(engine, factory):
     with factory.begin() as session:
         job = admit(session)
@@ -304,13 +316,7 @@ def test_cancel_racing_a_claim_answers_already_started(engine, factory):
             f"UPDATE training_jobs SET state = 'running', worker_id = 'w-race' WHERE id = {mark}", (job.id,)
         )
 
-    fired, remove = _interleave_before_update(engine, factory, "failure_reason", claim_behind_our_back)
-    try:
-        with factory.begin() as session, pytest.raises(KilnError) as caught:
-            request_cancel(session, job.id)
-    finally:
-        remove()
-    assert fired == [True]
+    caught = _raced_cancel(engine, factory, job.id, "failure_reason", claim_behind_our_back)
     assert caught.value.code == TRAINING_JOB_ALREADY_STARTED and http_status(caught.value) == 409
     with factory() as session:
         stored = get_job(session, job.id)
@@ -329,13 +335,7 @@ def test_cancel_racing_the_finish_answers_not_cancellable(engine, factory):
     def finish_behind_our_back(execute, mark):
         execute(f"UPDATE training_jobs SET state = 'completed' WHERE id = {mark}", (job.id,))
 
-    fired, remove = _interleave_before_update(engine, factory, "cancel_requested_at", finish_behind_our_back)
-    try:
-        with factory.begin() as session, pytest.raises(KilnError) as caught:
-            request_cancel(session, job.id)
-    finally:
-        remove()
-    assert fired == [True]
+    caught = _raced_cancel(engine, factory, job.id, "cancel_requested_at", finish_behind_our_back)
     assert caught.value.code == TRAINING_JOB_NOT_CANCELLABLE
     with factory() as session:
         assert get_job(session, job.id).cancel_requested is False
