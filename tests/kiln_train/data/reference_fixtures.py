@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 from kiln_train.data.labels import IGNORE_INDEX
 
 REPO = Path(__file__).resolve().parents[3]
@@ -17,7 +19,8 @@ def load_fixture(name: str) -> dict:
     return json.loads((FIXTURES / name).read_text(encoding="utf-8"))
 
 
-def oracle_generators() -> ModuleType:
+@pytest.fixture(scope="module")
+def generators() -> ModuleType:
     """The oracle's row generators and case tables (`qualification/sft_oracle`): no Transformers or TRL."""
     return importlib.import_module("qualification.sft_oracle")
 

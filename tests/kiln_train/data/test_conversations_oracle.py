@@ -18,12 +18,10 @@ from kiln_train.data.chat_template import training_chat_template_sha256
 from kiln_train.data.ingestion import iter_example_outcomes
 from kiln_train.data.labels import MASK_CONTRACT
 from kiln_train.data.tokenizer import vocabulary_file
-from tests.kiln_train.data.reference_fixtures import (
-    assert_cases_match_the_oracle,
-    labels_from,
-    load_fixture,
-    oracle_generators,
-)
+from tests.kiln_train.data import reference_fixtures as rf
+from tests.kiln_train.data.reference_fixtures import assert_cases_match_the_oracle, labels_from, load_fixture
+
+generators = rf.generators  # shared fixture
 
 FIXTURE_NAME = "qwen35_sft_conversations_v1.json"
 
@@ -31,11 +29,6 @@ FIXTURE_NAME = "qwen35_sft_conversations_v1.json"
 @pytest.fixture(scope="module")
 def fixture():
     return load_fixture(FIXTURE_NAME)
-
-
-@pytest.fixture(scope="module")
-def generators():
-    return oracle_generators()
 
 
 def strings(value):

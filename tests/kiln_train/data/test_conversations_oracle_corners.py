@@ -30,11 +30,10 @@ from kiln_train.data.conversation import parse_example
 from kiln_train.data.ingestion import ingest_examples, iter_example_outcomes, iter_jsonl_outcomes
 from kiln_train.data.labels import MASK_CONTRACT
 from kiln_train.data.row_identity import parsed_row_sha256
-from tests.kiln_train.data.reference_fixtures import (
-    assert_cases_match_the_oracle,
-    load_fixture,
-    oracle_generators,
-)
+from tests.kiln_train.data import reference_fixtures as rf
+from tests.kiln_train.data.reference_fixtures import assert_cases_match_the_oracle, load_fixture
+
+generators = rf.generators  # shared fixture
 
 FIXTURE_NAME = "qwen35_sft_probe2_v1.json"
 
@@ -42,11 +41,6 @@ FIXTURE_NAME = "qwen35_sft_probe2_v1.json"
 @pytest.fixture(scope="module")
 def fixture():
     return load_fixture(FIXTURE_NAME)
-
-
-@pytest.fixture(scope="module")
-def generators():
-    return oracle_generators()
 
 
 def test_header_and_rows_are_the_documented_generator_s(fixture, generators):
