@@ -28,12 +28,8 @@ import torch  # noqa: E402
 
 from kiln_train.checkpoint import load_checkpoint  # noqa: E402
 from kiln_train.data.ingestion import ingest_examples  # noqa: E402
-from kiln_train.data.tokenizer import build_tokenizer  # noqa: E402
 from kiln_train.model.resident import load_resident  # noqa: E402
-from kiln_train.model.tiny import write_tiny_checkpoint  # noqa: E402
-from kiln_train.sft_config import parse_sft_config  # noqa: E402
-from kiln_train.train.request import TrainRequest  # noqa: E402
-from kiln_train.train.trainer import train_sft  # noqa: E402
+from qualification.bench_support import lora_config, train_on_resident, write_bench_checkpoint  # noqa: E402
 
 OPTIMIZERS = {"sgd": 1e-4, "adam_w": 1e-4, "muon": 1e-3}
 
@@ -62,9 +58,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="kiln-bench-ckpt-") as tmp:
-        model_dir = write_tiny_checkpoint(
-            Path(tmp) / "model", args.preset, seed=0, tokenizer=build_tokenizer()
-        )
+        model_dir = write_bench_checkpoint(Path(tmp) / "model", args.preset)
         resident = load_resident(model_dir)
         ingestion = ingest_examples(
             rows(args.checkpoints + 1), tokenizer=resident.tokenizer, template=resident.template
@@ -82,25 +76,9 @@ def main() -> None:
         )
         print("|---|---|---|---|---|---|---|---|")
         for kind, lr in OPTIMIZERS.items():
-            config = parse_sft_config(
-                {
-                    "epochs": 1,
-                    "lora_rank": args.rank,
-                    "lora_alpha": 2.0 * args.rank,
-                    "optimizer": {"kind": kind},
-                    "learning_rate": lr,
-                    "checkpoint_interval": 1,
-                }
-            ).resolve(seed=0)
-            result = train_sft(
-                TrainRequest(
-                    resident=resident,
-                    config=config,
-                    ingestion=ingestion,
-                    loss_route=resident.backend.sft_loss_route,
-                    output_root=registry,
-                    adapter_name=f"bench-{kind.replace('_', '')}",
-                )
+            config = lora_config(args.rank, optimizer=kind, learning_rate=lr, checkpoint_interval=1)
+            result = train_on_resident(
+                resident, config, ingestion, registry, adapter_name=f"bench-{kind.replace('_', '')}"
             )
             if result.status != "success":
                 raise SystemExit(f"{kind}: {result.failure_reason}: {result.failure_message}")

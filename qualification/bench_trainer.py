@@ -105,21 +105,11 @@ def run_ours(args, rows) -> dict:
 
     from kiln_train.data.ingestion import ingest_examples
     from kiln_train.model.resident import load_resident
-    from kiln_train.sft_config import parse_sft_config
-    from kiln_train.train.request import TrainRequest
-    from kiln_train.train.trainer import train_sft
+    from qualification.bench_support import lora_config, require_success, train_on_resident
 
     resident = load_resident(args.model_dir)
     ingestion = ingest_examples(rows, tokenizer=resident.tokenizer, template=resident.template)
-    config = parse_sft_config(
-        {
-            "epochs": 1,
-            "lora_rank": args.rank,
-            "lora_alpha": 2.0 * args.rank,
-            "optimizer": {"kind": "adam_w"},
-            "learning_rate": 1e-4,
-        }
-    ).resolve(seed=0)
+    config = lora_config(args.rank)
     marks = []
 
     def progress(report):
@@ -127,19 +117,8 @@ def run_ours(args, rows) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="kiln-bench-out-") as out:
         start = (time.perf_counter(), time.process_time())
-        result = train_sft(
-            TrainRequest(
-                resident=resident,
-                config=config,
-                ingestion=ingestion,
-                loss_route=resident.backend.sft_loss_route,
-                output_root=out,
-                adapter_name="bench",
-                progress=progress,
-            )
-        )
-    if result.status != "success":
-        raise RuntimeError(f"train_sft failed: {result.failure_reason}: {result.failure_message}")
+        result = train_on_resident(resident, config, ingestion, out, adapter_name="bench", progress=progress)
+    require_success(result)
     points = [start, *[(m[0], m[1]) for m in marks]]
     wall = [points[i + 1][0] - points[i][0] for i in range(len(marks))]
     cpu = [points[i + 1][1] - points[i][1] for i in range(len(marks))]
@@ -241,13 +220,10 @@ def _summary(runs: list[dict]) -> dict:
 
 
 def run_benchmark(args) -> None:
-    from kiln_train.data.tokenizer import build_tokenizer
-    from kiln_train.model.tiny import write_tiny_checkpoint
+    from qualification.bench_support import write_bench_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="kiln-bench-trainer-") as tmp:
-        model_dir = str(
-            write_tiny_checkpoint(Path(tmp) / "small", "small", seed=0, tokenizer=build_tokenizer())
-        )
+        model_dir = str(write_bench_checkpoint(Path(tmp) / "small"))
         print(
             f"# small preset (vocab 248320, f32, CPU), LoRA r={args.rank} AdamW, {args.steps} timed steps x "
             f"{args.rounds} rounds after {args.warmup} warm-up; torch threads {args.threads}; "

@@ -41,9 +41,8 @@ def measure(model_dir: str, length: int, *, steps: int, validation_rows: int, ra
     from kiln_train.data.tokenizer import load_tokenizer
     from kiln_train.data.validation import prepare_validation
     from kiln_train.model.resident import load_resident
-    from kiln_train.sft_config import ValidationSpec, parse_sft_config
-    from kiln_train.train.request import TrainRequest
-    from kiln_train.train.trainer import train_sft
+    from kiln_train.sft_config import ValidationSpec
+    from qualification.bench_support import lora_config, require_success, train_on_resident
 
     tokenizer = load_tokenizer(model_dir)
     rows = [conversation(length, i, tokenizer) for i in range(steps + 1)]
@@ -56,15 +55,7 @@ def measure(model_dir: str, length: int, *, steps: int, validation_rows: int, ra
         tokenizer=resident.tokenizer,
         template=resident.template,
     )
-    config = parse_sft_config(
-        {
-            "epochs": 1,
-            "lora_rank": rank,
-            "lora_alpha": 2.0 * rank,
-            "optimizer": {"kind": "adam_w"},
-            "learning_rate": 1e-4,
-        }
-    ).resolve(seed=0)
+    config = lora_config(rank)
     marks: list[tuple[str, int, float, float, int]] = []  # (kind, global step, wall, cpu, tokens)
 
     def progress(report) -> None:
@@ -74,21 +65,17 @@ def measure(model_dir: str, length: int, *, steps: int, validation_rows: int, ra
         marks.append(("eval", evaluation.global_step, time.perf_counter(), time.process_time(), 0))
 
     with tempfile.TemporaryDirectory(prefix="kiln-bench-validation-out-") as out:
-        result = train_sft(
-            TrainRequest(
-                resident=resident,
-                config=config,
-                ingestion=ingestion,
-                loss_route=resident.backend.sft_loss_route,
-                output_root=out,
-                adapter_name="bench",
-                progress=progress,
-                validation=validation,
-                on_evaluation=evaluated,
-            )
+        result = train_on_resident(
+            resident,
+            config,
+            ingestion,
+            out,
+            adapter_name="bench",
+            progress=progress,
+            validation=validation,
+            on_evaluation=evaluated,
         )
-    if result.status != "success":
-        raise RuntimeError(f"train_sft failed: {result.failure_reason}: {result.failure_message}")
+    require_success(result)
     step_s, step_cpu, step_tokens, eval_s, eval_cpu = [], [], [], [], []
     for previous, current in zip(marks, marks[1:], strict=False):
         if current[0] == "step" and previous[0] == "eval" and current[1] >= 2:
@@ -130,16 +117,13 @@ def main() -> None:
 
     import torch
 
-    from kiln_train.data.tokenizer import build_tokenizer
-    from kiln_train.model.tiny import write_tiny_checkpoint
     from kiln_train.plan.budget import apply_cpu_allocator_policy
+    from qualification.bench_support import write_bench_checkpoint
 
     torch.set_num_threads(args.threads)
     apply_cpu_allocator_policy()  # what the cpu worker runs with (freed tensors go back to the OS)
     with tempfile.TemporaryDirectory(prefix="kiln-bench-validation-") as tmp:
-        model_dir = str(
-            write_tiny_checkpoint(Path(tmp) / "small", "small", seed=0, tokenizer=build_tokenizer())
-        )
+        model_dir = str(write_bench_checkpoint(Path(tmp) / "small"))
         print(
             f"# small preset (vocab 248320, f32, CPU), LoRA r={args.rank} AdamW, {args.steps} timed steps, "
             f"{args.validation_rows} validation rows evaluated after every step; torch threads {args.threads}; "

@@ -8,46 +8,22 @@ import subprocess
 import sys
 import textwrap
 
-from tests.api.conftest import REDIS_URL
+from tests.api.no_torch_support import assert_app_runs_without_torch
 
 
 def test_app_factory_and_requests_do_not_import_torch(tmp_path, runner_kwargs, broker):
-    script = textwrap.dedent(
-        f"""
-        import json, sys
-        from kiln.settings import Settings
-        from api import create_app
-        from kiln.store import register_runner, upgrade_database
-
-        settings = Settings.model_validate({{
-            "storage": {{"root": {str(tmp_path)!r}}},
-            "queue": {{"broker_url": {REDIS_URL!r}, "queue_name": {broker.queue!r}}},
-        }})
-        upgrade_database(settings.database_url)
-        app = create_app(settings)
-        services = app.extensions["kiln"]
-        with services.sessions.begin() as session:
-            register_runner(session, "r", **json.loads(sys.stdin.read()))
-        client = app.test_client()
-        body = {{"examples": [{{"messages": [{{"role": "user", "content": "hi"}},
-                 {{"role": "assistant", "content": "hello"}}]}}], "config": {{"lora_rank": 4, "lora_alpha": 8}}}}
+    body = """
+        body = {"examples": [{"messages": [{"role": "user", "content": "hi"},
+                 {"role": "assistant", "content": "hello"}]}], "config": {"lora_rank": 4, "lora_alpha": 8}}
         submitted = client.post("/v1/train/sft", json=body)
         assert submitted.status_code == 200, submitted.get_json()
         job = submitted.get_json()["job_id"]
         for path in ("/health", "/v1/config", "/v1/train/status/" + job, "/v1/train/jobs/" + job, "/metrics"):
             assert client.get(path).status_code == 200, path
-        print(json.dumps(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))))
         """
+    assert_app_runs_without_torch(
+        body, root=tmp_path, queue=broker.queue, runner_kwargs=runner_kwargs, timeout=120
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        input=json.dumps(runner_kwargs),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
     assert broker.depth() == 1  # the admission was published
 
 

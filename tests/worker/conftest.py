@@ -1,5 +1,5 @@
 # ruff: noqa: F811  (fixtures imported from tests.api.conftest are used as parameters below)
-"""Fixtures for the worker tests: the api's store/broker/model fixtures plus a resident runtime.
+"""Fixtures for the worker tests: the api's store/broker/model/app fixtures plus a resident runtime.
 
 Jobs are admitted through the real api (Flask test client) so the worker sees exactly what
 production admission pins; the runtime runs them in-process (`run_job`), or real `kiln serve`
@@ -11,7 +11,9 @@ from __future__ import annotations
 import pytest
 
 from tests.api.conftest import (  # noqa: F401  (fixtures re-exported for this package)
+    app,
     broker,
+    client,
     db_url,
     engine,
     make_settings,
@@ -32,20 +34,6 @@ def resident(tiny_model_dir):
 @pytest.fixture
 def settings(storage, db_url, engine, broker):
     return make_settings(storage, db_url, broker.queue, training={"lease_seconds": 30, "max_attempts": 3})
-
-
-@pytest.fixture
-def app(settings):
-    from api import create_app
-
-    app = create_app(settings)
-    yield app
-    app.extensions["kiln"].close()
-
-
-@pytest.fixture
-def client(app):
-    return app.test_client()
 
 
 @pytest.fixture

@@ -272,10 +272,9 @@ def test_a_worker_that_lost_its_job_stops_and_publishes_nothing_more(client, run
     assert [p.name for p in settings.adapters_dir.iterdir() if p.name.startswith(".")] == []
 
 
-def test_a_checkpoint_killed_between_publishing_and_recording_is_adopted(client, runtime, sessions, settings):
-    """The checkpoint was complete under its final name but not in the store (its step was): the
-    next attempt resumes from it, recorded as adopted, instead of redoing the steps before it."""
-    name = unique_name("ckkill")
+def _killed_after_publishing_step_4(client, runtime, name):
+    """Submits a six-step job checkpointing every two steps; its first attempt dies once the step-4
+    checkpoint stands under its final name, before the store records it."""
     job_id = submit(client, sft_body(3, epochs=2, checkpoint_interval=2, seed=5, output_name=name))
     original = runtime._on_checkpoint
 
@@ -288,6 +287,14 @@ def test_a_checkpoint_killed_between_publishing_and_recording_is_adopted(client,
     with pytest.raises(Killed):
         runtime.run_job(job_id)
     runtime._on_checkpoint = original
+    return job_id
+
+
+def test_a_checkpoint_killed_between_publishing_and_recording_is_adopted(client, runtime, sessions, settings):
+    """The checkpoint was complete under its final name but not in the store (its step was): the
+    next attempt resumes from it, recorded as adopted, instead of redoing the steps before it."""
+    name = unique_name("ckkill")
+    job_id = _killed_after_publishing_step_4(client, runtime, name)
     step4 = f"{name}-checkpoint-step-00000004.kiln-checkpoint"
     assert job_row(sessions, job_id).state == states.RUNNING and step4 in checkpoint_names(settings, name)
     expire_lease(sessions, job_id)
@@ -324,18 +331,7 @@ def test_an_unrecorded_checkpoint_that_does_not_verify_is_withdrawn_not_adopted(
     is damaged (a flipped byte): the next attempt does not adopt it but withdraws it, resumes from
     the recorded checkpoint before it, and writes and records that step again."""
     name = unique_name("ckorphan")
-    job_id = submit(client, sft_body(3, epochs=2, checkpoint_interval=2, seed=5, output_name=name))
-    original = runtime._on_checkpoint
-
-    def on_checkpoint(jid, record):
-        if record["global_step"] == 4:
-            raise Killed  # after the rename, before the row
-        original(jid, record)
-
-    runtime._on_checkpoint = on_checkpoint
-    with pytest.raises(Killed):
-        runtime.run_job(job_id)
-    runtime._on_checkpoint = original
+    job_id = _killed_after_publishing_step_4(client, runtime, name)
     step2 = f"{name}-checkpoint-step-00000002.kiln-checkpoint"
     step4 = f"{name}-checkpoint-step-00000004.kiln-checkpoint"
     assert step4 in checkpoint_names(settings, name)

@@ -17,20 +17,9 @@ from kiln_train.checkpoint.epoch_order import epoch_order
 from kiln_train.interop.bundle import verify_bundle
 from tests.api.conftest import example, snapshot, write_base_adapter
 from tests.api.hf_support import HF_CONFIG, export_body
+from tests.kiln_train.interop.support import MANIFEST_FILES
 
-BUNDLE_FILES = {
-    "README.md",
-    "chat_template_training.jinja",
-    "config.json",
-    "ingestion_receipt.json",
-    "initial_adapter/adapter_config.json",
-    "initial_adapter/adapter_model.safetensors",
-    "kiln_hf_export.json",
-    "requirements.lock",
-    "tokenizer.json",
-    "train.jsonl",
-    "train.py",
-}
+BUNDLE_FILES = MANIFEST_FILES | {"kiln_hf_export.json"}
 
 
 def test_export_list_get_download_delete(client, runner, settings):

@@ -5,12 +5,8 @@ each refusal names the first difference and leaves nothing behind."""
 from __future__ import annotations
 
 import io
-import json
 import re
-import subprocess
-import sys
 import tarfile
-import textwrap
 from pathlib import Path
 from urllib.parse import quote
 
@@ -20,8 +16,9 @@ from safetensors.torch import load_file, save_file
 from sqlalchemy import update
 
 from kiln.store import Runner, register_adapter
-from tests.api.conftest import REDIS_URL, RUNNER_ID, sft_body, snapshot
+from tests.api.conftest import RUNNER_ID, sft_body, snapshot
 from tests.api.hf_support import export_body
+from tests.api.no_torch_support import assert_app_runs_without_torch
 from tests.kiln_train.interop.support import fake_run_output, read_json, rewrite_result, tar_gz, write_json
 
 GZIP = {"Content-Type": "application/gzip"}
@@ -226,40 +223,27 @@ def test_import_name_parameter_is_what_the_route_accepts(client, runner, name):
 
 def test_export_and_import_do_not_import_torch(tmp_path, runner_kwargs, broker):
     """Both directions run in the api process, which never imports torch (a fresh interpreter)."""
-    script = textwrap.dedent(
-        f"""
-        import hashlib, io, json, sys, tarfile
+    body = """
+        import hashlib, io, tarfile
         from pathlib import Path
-        from kiln.settings import Settings
-        from api import create_app
-        from kiln.store import register_runner, upgrade_database
 
-        settings = Settings.model_validate({{
-            "storage": {{"root": {str(tmp_path)!r}}},
-            "queue": {{"broker_url": {REDIS_URL!r}, "queue_name": {broker.queue!r}}},
-        }})
-        upgrade_database(settings.database_url)
-        app = create_app(settings)
-        with app.extensions["kiln"].sessions.begin() as session:
-            register_runner(session, "r", **json.loads(sys.stdin.read()))
-        client = app.test_client()
-        rows = [{{"messages": [{{"role": "user", "content": "hi"}}, {{"role": "assistant", "content": "hello"}}]}}]
-        body = {{"name": "nt", "examples": rows, "config": {{"lora_rank": 4, "lora_alpha": 8, "epochs": 1}}}}
+        rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
+        body = {"name": "nt", "examples": rows, "config": {"lora_rank": 4, "lora_alpha": 8, "epochs": 1}}
         answer = client.post("/v1/train/hf/sft/exports", json=body)
         assert answer.status_code == 201, answer.get_json()
         manifest = answer.get_json()["manifest"]
         bundle = Path(answer.get_json()["path"])
-        files = {{n: (bundle / "initial_adapter" / n).read_bytes()
-                 for n in ("adapter_config.json", "adapter_model.safetensors")}}
+        files = {n: (bundle / "initial_adapter" / n).read_bytes()
+                 for n in ("adapter_config.json", "adapter_model.safetensors")}
         sha = lambda b: "sha256:" + hashlib.sha256(b).hexdigest()
-        result = {{
+        result = {
             "schema": "kiln.hf-trl-result.v1", "status": "success",
-            "export": {{"name": "nt", "bundle_digest": manifest["bundle_digest"]}},
-            "script": {{"sha256": manifest["files"]["train.py"]["sha256"]}},
+            "export": {"name": "nt", "bundle_digest": manifest["bundle_digest"]},
+            "script": {"sha256": manifest["files"]["train.py"]["sha256"]},
             "base_model": manifest["base_model"], "tokenizer": manifest["tokenizer"],
             "template": manifest["template"], "lora": manifest["lora"],
-            "adapter": {{n: sha(b) for n, b in files.items()}},
-        }}
+            "adapter": {n: sha(b) for n, b in files.items()},
+        }
         files["kiln_hf_result.json"] = json.dumps(result).encode()
         buffer = io.BytesIO()
         with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
@@ -268,18 +252,10 @@ def test_export_and_import_do_not_import_torch(tmp_path, runner_kwargs, broker):
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
         imported = client.post("/v1/train/hf/peft/imports/nt", data=buffer.getvalue(),
-                               headers={{"Content-Type": "application/gzip"}})
+                               headers={"Content-Type": "application/gzip"})
         assert imported.status_code == 201, imported.get_json()
         assert client.get("/v1/train/hf/exports/nt/download").status_code == 200
-        print(json.dumps(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))))
         """
+    assert_app_runs_without_torch(
+        body, root=tmp_path, queue=broker.queue, runner_kwargs=runner_kwargs, timeout=300
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        input=json.dumps(runner_kwargs),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == []

@@ -1,5 +1,6 @@
 """Store fixtures for the tests in this folder: a migrated database per module on each backend
-(SQLite and Postgres), emptied before every test."""
+(SQLite and Postgres), emptied before every test, and a database of its own for a test that
+races two connections."""
 
 from __future__ import annotations
 
@@ -21,3 +22,12 @@ def engine(request, tmp_path_factory):
 def factory(engine):
     clear_tables(engine)
     return session_factory(engine)
+
+
+@pytest.fixture(params=BACKENDS)
+def fresh_factory(request, tmp_path):
+    """A session factory on a freshly migrated database that only this test uses."""
+    with migrated_database(request.param, tmp_path) as url:
+        engine = make_engine(url)
+        yield session_factory(engine)
+        engine.dispose()

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from kiln.store import append_event, list_events, make_engine, session_factory, states
-from tests.kiln.store.store_support import BACKENDS, admit, migrated_database
+from kiln.store import append_event, list_events, states
+from tests.kiln.store.store_support import admit
 
 
 def test_event_pagination_by_cursor(factory):
@@ -40,14 +40,6 @@ def test_event_pagination_by_cursor(factory):
             list_events(session, job.id, limit=0)
         with pytest.raises(ValueError, match="level"):
             append_event(session, job.id, "x", level="loud")
-
-
-@pytest.fixture(params=BACKENDS)
-def fresh_factory(request, tmp_path):
-    with migrated_database(request.param, tmp_path) as url:
-        engine = make_engine(url)
-        yield session_factory(engine)
-        engine.dispose()
 
 
 def _read_all(factory, job_id: str, after: int | None) -> tuple[list[int], int | None]:

@@ -27,10 +27,8 @@ from kiln.store import (
     get_job,
     list_events,
     loss_history,
-    make_engine,
     record_step,
     request_cancel,
-    session_factory,
     states,
 )
 from kiln.store.errors import (
@@ -40,11 +38,9 @@ from kiln.store.errors import (
 )
 from kiln_train.errors import KilnError
 from tests.kiln.store.store_support import (
-    BACKENDS,
     admit,
     claim_and_finish,
     event_kinds,
-    migrated_database,
     run_steps,
     running_job,
 )
@@ -299,6 +295,18 @@ def _interleave_before_update(engine, factory, marker: str, interloper):
     return fired, lambda: event.remove(engine, "before_cursor_execute", before)
 
 
+def _raced_cancel(engine, factory, job_id: str, marker: str, interloper) -> pytest.ExceptionInfo[KilnError]:
+    """`request_cancel` of `job_id` with `interloper` run just before its UPDATE: it must refuse."""
+    fired, remove = _interleave_before_update(engine, factory, marker, interloper)
+    try:
+        with factory.begin() as session, pytest.raises(KilnError) as caught:
+            request_cancel(session, job_id)
+    finally:
+        remove()
+    assert fired == [True]
+    return caught
+
+
 def test_cancel_racing_a_claim_answers_already_started(engine, factory):
     with factory.begin() as session:
         job = admit(session)
@@ -308,13 +316,7 @@ def test_cancel_racing_a_claim_answers_already_started(engine, factory):
             f"UPDATE training_jobs SET state = 'running', worker_id = 'w-race' WHERE id = {mark}", (job.id,)
         )
 
-    fired, remove = _interleave_before_update(engine, factory, "failure_reason", claim_behind_our_back)
-    try:
-        with factory.begin() as session, pytest.raises(KilnError) as caught:
-            request_cancel(session, job.id)
-    finally:
-        remove()
-    assert fired == [True]
+    caught = _raced_cancel(engine, factory, job.id, "failure_reason", claim_behind_our_back)
     assert caught.value.code == TRAINING_JOB_ALREADY_STARTED and http_status(caught.value) == 409
     with factory() as session:
         stored = get_job(session, job.id)
@@ -333,13 +335,7 @@ def test_cancel_racing_the_finish_answers_not_cancellable(engine, factory):
     def finish_behind_our_back(execute, mark):
         execute(f"UPDATE training_jobs SET state = 'completed' WHERE id = {mark}", (job.id,))
 
-    fired, remove = _interleave_before_update(engine, factory, "cancel_requested_at", finish_behind_our_back)
-    try:
-        with factory.begin() as session, pytest.raises(KilnError) as caught:
-            request_cancel(session, job.id)
-    finally:
-        remove()
-    assert fired == [True]
+    caught = _raced_cancel(engine, factory, job.id, "cancel_requested_at", finish_behind_our_back)
     assert caught.value.code == TRAINING_JOB_NOT_CANCELLABLE
     with factory() as session:
         assert get_job(session, job.id).cancel_requested is False
@@ -403,14 +399,6 @@ def test_delete_only_terminal_jobs_and_keep_history(factory):
         assert caught.value.code == TRAINING_JOB_NOT_FOUND
         rows = session.scalars(select(JobEvent.kind).where(JobEvent.job_id == job.id)).all()
         assert rows[-1] == states.EVENT_DELETED
-
-
-@pytest.fixture(params=BACKENDS)
-def fresh_factory(request, tmp_path):
-    with migrated_database(request.param, tmp_path) as url:
-        engine = make_engine(url)
-        yield session_factory(engine)
-        engine.dispose()
 
 
 def test_two_deletes_of_one_finished_job_one_wins_the_other_is_not_found(fresh_factory):

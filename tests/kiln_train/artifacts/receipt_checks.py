@@ -1,10 +1,13 @@
 """Reader checks that tests apply to every `train_receipt.json` a run writes: the envelope and the
-SFT cross-bindings between its sections."""
+SFT cross-bindings between its sections; and the key order of the adapter_config.json beside it."""
 
 from __future__ import annotations
 
 from kiln_train.artifacts.receipt import RECEIPT_TYPE
 from kiln_train.errors import FAILURE_REASONS
+
+# docs/artifacts.md#adapter-config: adapter_config.json's keys, in the order they are written.
+ADAPTER_CONFIG_KEYS = ["r", "lora_alpha", "target_modules", "task_type", "bias", "peft_type"]
 
 
 def validate_receipt(receipt: dict) -> None:

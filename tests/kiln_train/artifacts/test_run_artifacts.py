@@ -18,7 +18,7 @@ from kiln_train.artifacts.adapter import adapter_config
 from kiln_train.artifacts.digest import file_digest
 from kiln_train.model.config import LORA_TARGET_MODULES
 from kiln_train.train.canary import canary_status
-from tests.kiln_train.artifacts.receipt_checks import validate_receipt
+from tests.kiln_train.artifacts.receipt_checks import ADAPTER_CONFIG_KEYS, validate_receipt
 from tests.kiln_train.train import trainer_fixtures as fx
 from tests.kiln_train.train.trainer_fixtures import conversations, ingest, make_config, read_json, train
 
@@ -268,14 +268,7 @@ def check_adapter_dir(path, receipt: dict, *, parent: str | None, rank: int, alp
     """docs/artifacts.md#peft-adapter: the files, adapter_config.json, tensor names/dtypes and adapter_manifest.json."""
     cfg_text = (path / "adapter_config.json").read_text()
     assert json.loads(cfg_text) == adapter_config(rank, alpha)
-    assert list(json.loads(cfg_text)) == [
-        "r",
-        "lora_alpha",
-        "target_modules",
-        "task_type",
-        "bias",
-        "peft_type",
-    ]
+    assert list(json.loads(cfg_text)) == ADAPTER_CONFIG_KEYS
     assert cfg_text.startswith("{\n  ")  # pretty-printed
     cfg = json.loads(cfg_text)
     assert _is_int(cfg["r"]) and isinstance(cfg["lora_alpha"], float)

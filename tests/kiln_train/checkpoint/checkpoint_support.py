@@ -29,6 +29,20 @@ from kiln_train.plan.backend import backend_for_device
 from kiln_train.sft_config import SftConfig, parse_sft_config
 
 ADAPTER = "support-bot"
+# The publisher's stages (kiln_train/checkpoint/publish.py), in the order it runs them.
+PUBLICATION_STAGES = [
+    "create_staging",
+    "write_sentinel",
+    "write_artifacts",
+    "check_staging_files",
+    "check_loop_state",
+    "hash_artifacts",
+    "build_manifest",
+    "write_manifest",
+    "remove_sentinel",
+    "rename_into_place",
+    "sync_parent",
+]
 ITEM_COUNT = 5
 SEED = 1234
 CONTENT_SHA256 = "sha256:" + hashlib.sha256(b"kept corpus").hexdigest()

@@ -27,6 +27,7 @@ from kiln_train.checkpoint import (
 from kiln_train.checkpoint import publish as publish_module
 from tests.kiln_train.checkpoint.checkpoint_support import (
     LORA_KEY,
+    PUBLICATION_STAGES,
     artifacts,
     auxiliary_state,
     draft,
@@ -178,21 +179,6 @@ class SimulatedCrash(BaseException):
     """Stands for process death: not an `Exception`, so the publisher cannot clean up."""
 
 
-STAGES = [
-    "create_staging",
-    "write_sentinel",
-    "write_artifacts",
-    "check_staging_files",
-    "check_loop_state",
-    "hash_artifacts",
-    "build_manifest",
-    "write_manifest",
-    "remove_sentinel",
-    "rename_into_place",
-    "sync_parent",
-]
-
-
 def _inject(monkeypatch, stage: str, when: str, error: BaseException) -> None:
     original = getattr(publish_module, stage)
 
@@ -206,14 +192,14 @@ def _inject(monkeypatch, stage: str, when: str, error: BaseException) -> None:
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", PUBLICATION_STAGES)
 def test_a_crash_at_any_stage_leaves_nothing_loadable(tmp_path, monkeypatch, stage, when):
     with monkeypatch.context() as patch:
         _inject(patch, stage, when, SimulatedCrash())
         with pytest.raises(SimulatedCrash):
             publish(tmp_path, 7)
 
-    renamed = STAGES.index(stage) > STAGES.index("rename_into_place") or (
+    renamed = PUBLICATION_STAGES.index(stage) > PUBLICATION_STAGES.index("rename_into_place") or (
         stage == "rename_into_place" and when == "after"
     )
     stale = [name for name in _entries(tmp_path) if name != NAME]

@@ -16,9 +16,12 @@ import pytest
 
 from kiln_train.data.chat_template import training_chat_template_sha256
 from kiln_train.data.ingestion import iter_example_outcomes
-from kiln_train.data.labels import IGNORE_INDEX, MASK_CONTRACT
+from kiln_train.data.labels import MASK_CONTRACT
 from kiln_train.data.tokenizer import vocabulary_file
-from tests.kiln_train.data.reference_fixtures import labels_from, load_fixture, oracle_generators
+from tests.kiln_train.data import reference_fixtures as rf
+from tests.kiln_train.data.reference_fixtures import assert_cases_match_the_oracle, labels_from, load_fixture
+
+generators = rf.generators  # shared fixture
 
 FIXTURE_NAME = "qwen35_sft_conversations_v1.json"
 
@@ -26,11 +29,6 @@ FIXTURE_NAME = "qwen35_sft_conversations_v1.json"
 @pytest.fixture(scope="module")
 def fixture():
     return load_fixture(FIXTURE_NAME)
-
-
-@pytest.fixture(scope="module")
-def generators():
-    return oracle_generators()
 
 
 def strings(value):
@@ -104,16 +102,7 @@ def test_every_conversation_matches_the_oracle_exactly(qwen_tokenizer, fixture):
     cases = fixture["cases"]
     outcomes = list(iter_example_outcomes([c["example"] for c in cases], tokenizer=qwen_tokenizer))
     assert len(outcomes) == len(cases)
-    for case, outcome in zip(cases, outcomes, strict=True):
-        name = case["name"]
-        assert "error" not in case, name
-        assert outcome.kept, (name, outcome.reason, outcome.detail)
-        row = outcome.tokenized
-        assert outcome.rendered.text == case["text"], name
-        assert row.input_ids == case["input_ids"], name
-        labels = labels_from(case["input_ids"], case["supervised_ranges"])
-        assert row.labels == labels, name
-        assert row.supervised_tokens == sum(1 for label in labels[1:] if label != IGNORE_INDEX), name
+    assert_cases_match_the_oracle(cases, outcomes)
 
 
 def test_edge_rows_get_the_documented_outcome(qwen_tokenizer, fixture):

@@ -28,9 +28,12 @@ from kiln.cli.main import cli
 from kiln_train.data.chat_template import training_chat_template_sha256
 from kiln_train.data.conversation import parse_example
 from kiln_train.data.ingestion import ingest_examples, iter_example_outcomes, iter_jsonl_outcomes
-from kiln_train.data.labels import IGNORE_INDEX, MASK_CONTRACT
+from kiln_train.data.labels import MASK_CONTRACT
 from kiln_train.data.row_identity import parsed_row_sha256
-from tests.kiln_train.data.reference_fixtures import labels_from, load_fixture, oracle_generators
+from tests.kiln_train.data import reference_fixtures as rf
+from tests.kiln_train.data.reference_fixtures import assert_cases_match_the_oracle, load_fixture
+
+generators = rf.generators  # shared fixture
 
 FIXTURE_NAME = "qwen35_sft_probe2_v1.json"
 
@@ -38,11 +41,6 @@ FIXTURE_NAME = "qwen35_sft_probe2_v1.json"
 @pytest.fixture(scope="module")
 def fixture():
     return load_fixture(FIXTURE_NAME)
-
-
-@pytest.fixture(scope="module")
-def generators():
-    return oracle_generators()
 
 
 def test_header_and_rows_are_the_documented_generator_s(fixture, generators):
@@ -103,16 +101,7 @@ def test_every_case_matches_the_oracle_exactly(qwen_tokenizer, fixture):
     cases = fixture["cases"]
     outcomes = list(iter_example_outcomes([c["example"] for c in cases], tokenizer=qwen_tokenizer))
     assert len(outcomes) == len(cases) >= 240
-    for case, outcome in zip(cases, outcomes, strict=True):
-        name = case["name"]
-        assert "error" not in case, name
-        assert outcome.kept, (name, outcome.reason, outcome.detail)
-        row = outcome.tokenized
-        assert outcome.rendered.text == case["text"], name
-        assert row.input_ids == case["input_ids"], name
-        labels = labels_from(case["input_ids"], case["supervised_ranges"])
-        assert row.labels == labels, name
-        assert row.supervised_tokens == sum(1 for label in labels[1:] if label != IGNORE_INDEX), name
+    assert_cases_match_the_oracle(cases, outcomes)
 
 
 def test_edge_rows_get_the_documented_outcome(qwen_tokenizer, fixture):

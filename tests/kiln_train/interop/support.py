@@ -28,6 +28,19 @@ from kiln_train.data.ingestion import ingest_examples
 from kiln_train.interop.bundle import MANIFEST, manifest_digest
 
 TRAIN_THREADS = 1
+# The files an export bundle's manifest lists; the bundle also holds the manifest itself.
+MANIFEST_FILES = {
+    "README.md",
+    "chat_template_training.jinja",
+    "config.json",
+    "ingestion_receipt.json",
+    "initial_adapter/adapter_config.json",
+    "initial_adapter/adapter_model.safetensors",
+    "requirements.lock",
+    "tokenizer.json",
+    "train.jsonl",
+    "train.py",
+}
 
 # adapter_config.json exactly as PEFT 0.21.2 saves a LoRA adapter trained by TRL (r, alpha and
 # target_modules filled in per test).
@@ -79,23 +92,13 @@ def sha256(data: bytes) -> str:
 
 def kiln_run(resident, config, rows: list[dict], output_root: Path, adapter_name: str, **kw):
     """Kiln's run of `rows` under the effective `config` (single-threaded torch)."""
-    from kiln_train import TrainRequest, train_sft
+    from qualification.bench_support import train_on_resident
 
     ingestion = ingest_examples(rows, tokenizer=resident.tokenizer, template=resident.template)
     before = torch.get_num_threads()
     torch.set_num_threads(TRAIN_THREADS)
     try:
-        return train_sft(
-            TrainRequest(
-                resident=resident,
-                config=config,
-                ingestion=ingestion,
-                loss_route=resident.backend.sft_loss_route,
-                output_root=output_root,
-                adapter_name=adapter_name,
-                **kw,
-            )
-        )
+        return train_on_resident(resident, config, ingestion, output_root, adapter_name=adapter_name, **kw)
     finally:
         torch.set_num_threads(before)
 

@@ -16,7 +16,7 @@ from kiln_train.interop.bundle import ResidentFacts, verify_bundle
 from kiln_train.interop.export import export_sft
 from kiln_train.model.config import LORA_TARGET_MODULES
 from kiln_train.sft_config import parse_sft_config
-from tests.kiln_train.interop.support import read_json, write_json
+from tests.kiln_train.interop.support import MANIFEST_FILES, read_json, write_json
 from tests.kiln_train.train import trainer_fixtures as fx
 from tests.kiln_train.train.trainer_fixtures import conversations, ingest
 
@@ -45,18 +45,6 @@ TOOL_ROW = {
         },
     ],
     "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
-}
-EXPECTED_FILES = {
-    "README.md",
-    "chat_template_training.jinja",
-    "config.json",
-    "ingestion_receipt.json",
-    "initial_adapter/adapter_config.json",
-    "initial_adapter/adapter_model.safetensors",
-    "requirements.lock",
-    "tokenizer.json",
-    "train.jsonl",
-    "train.py",
 }
 
 
@@ -87,9 +75,9 @@ def test_bundle_files_and_manifest(resident, tmp_path):
     result = _export(resident, tmp_path)
     assert result.path == tmp_path / "b.kiln-hf"
     manifest = verify_bundle(result.path)
-    assert set(manifest["files"]) == EXPECTED_FILES
+    assert set(manifest["files"]) == MANIFEST_FILES
     assert sorted(str(p.relative_to(result.path)) for p in result.path.rglob("*") if p.is_file()) == sorted(
-        EXPECTED_FILES | {"kiln_hf_export.json"}
+        MANIFEST_FILES | {"kiln_hf_export.json"}
     )
     assert (
         manifest["schema"] == "kiln.hf-trl-export.v1"

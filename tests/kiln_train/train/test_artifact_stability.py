@@ -70,8 +70,7 @@ def mask(value, key: str | None = None):
 def run_artifacts(resident, qwen_examples, tmp_path) -> dict:
     from kiln_train.data.ingestion import ingest_examples
     from kiln_train.sft_config import parse_sft_config
-    from kiln_train.train.request import TrainRequest
-    from kiln_train.train.trainer import train_sft
+    from qualification.bench_support import train_on_resident
 
     config = parse_sft_config(
         {
@@ -87,16 +86,7 @@ def run_artifacts(resident, qwen_examples, tmp_path) -> dict:
         qwen_examples, tokenizer=resident.tokenizer, template=resident.template, policy="fail"
     )
     registry = tmp_path / "adapters"
-    result = train_sft(
-        TrainRequest(
-            resident=resident,
-            config=config,
-            ingestion=ingestion,
-            loss_route=resident.backend.sft_loss_route,
-            output_root=registry,
-            adapter_name="stable",
-        )
-    )
+    result = train_on_resident(resident, config, ingestion, registry, adapter_name="stable")
     assert result.status == "success", result.failure_message
     out = {
         "receipt": json.loads((result.adapter_path / TRAIN_RECEIPT).read_text()),

@@ -21,7 +21,7 @@ from kiln_train.artifacts.provenance import verify_provenance_digest
 from kiln_train.checkpoint import epoch_order, load_checkpoint
 from kiln_train.model.config import LORA_TARGET_MODULES
 from kiln_train.train import optimizer as optimizer_mod
-from tests.kiln_train.artifacts.receipt_checks import validate_receipt
+from tests.kiln_train.artifacts.receipt_checks import ADAPTER_CONFIG_KEYS, validate_receipt
 from tests.kiln_train.train import trainer_fixtures as fx
 from tests.kiln_train.train.trainer_fixtures import conversations, ingest, make_config, read_json, train
 
@@ -169,14 +169,7 @@ def test_the_adapter_directory_and_manifest_hashes(adamw_run):
     ]
     assert not [p for p in adamw_run["root"].iterdir() if p.name.startswith(".")]  # no staging left
     assert read_json(path / "adapter_config.json") == adapter_config(4, 8.0)
-    assert list(read_json(path / "adapter_config.json")) == [
-        "r",
-        "lora_alpha",
-        "target_modules",
-        "task_type",
-        "bias",
-        "peft_type",
-    ]
+    assert list(read_json(path / "adapter_config.json")) == ADAPTER_CONFIG_KEYS
     manifest = read_json(path / "adapter_manifest.json")
     assert manifest["schema_version"] == 1 and manifest["manifest_type"] == "kiln_adapter_manifest"
     assert manifest["adapter_name"] == "receipt-run"

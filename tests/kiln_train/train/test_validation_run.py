@@ -26,6 +26,7 @@ one_thread, resident, tiny_dir = fx.one_thread, fx.resident, fx.tiny_dir  # shar
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 N_ROWS, EPOCHS, SEED = 3, 2, 23
+RESUMABLE = {"epochs": EPOCHS, "checkpoint_interval": 2}  # a run that leaves checkpoints to resume from
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,19 @@ def evaluation_steps(history):
 
 def checkpoint_files(root, name, file):
     return {p.name: (p / file).read_bytes() for p in sorted(root.glob(f"{name}-checkpoint-step-*"))}
+
+
+def train_validated(resident, ingested, validation, root, name, resume_checkpoint=None, **config):
+    """One run with this module's seed over `ingested`, evaluated on `validation`."""
+    return train(
+        resident,
+        make_config(seed=SEED, **config),
+        ingested,
+        root,
+        adapter_name=name,
+        validation=validation,
+        resume_checkpoint=resume_checkpoint,
+    )
 
 
 @pytest.mark.parametrize("optimizer", ["adam_w", "muon", "sgd"])
@@ -122,14 +136,7 @@ def test_evaluations_are_the_baseline_every_epoch_end_and_every_interval(residen
 
 def test_the_baseline_is_the_base_model(resident, ingestion, tmp_path):
     validated_ingestion, validation = with_validation(resident, ingestion)
-    result = train(
-        resident,
-        make_config(seed=SEED, epochs=1),
-        validated_ingestion,
-        tmp_path,
-        adapter_name="baseline",
-        validation=validation,
-    )
+    result = train_validated(resident, validated_ingestion, validation, tmp_path, "baseline", epochs=1)
     assert result.status == "success", result.failure_message
     release_lora(resident.model)
     base = evaluate(
@@ -178,14 +185,7 @@ def test_the_chunked_pass_equals_dense_logits_without_them(resident, ingestion):
 
 def test_checkpoints_bind_the_validation_corpus_and_carry_the_history(resident, ingestion, tmp_path):
     validated_ingestion, validation = with_validation(resident, ingestion, interval=2)
-    result = train(
-        resident,
-        make_config(seed=SEED, epochs=EPOCHS, checkpoint_interval=2),
-        validated_ingestion,
-        tmp_path,
-        adapter_name="bound",
-        validation=validation,
-    )
+    result = train_validated(resident, validated_ingestion, validation, tmp_path, "bound", **RESUMABLE)
     assert result.status == "success", result.failure_message
     for record in result.checkpoints:
         manifest = ckpt.load_checkpoint(record["path"], verify_hashes=True).manifest
@@ -234,13 +234,8 @@ def test_a_cancel_during_an_evaluation_stops_at_once_and_leaves_the_checkpoint(r
     validated_ingestion, validation = with_validation(
         resident, ingestion, interval=2, rows=conversations(3, offset=60)
     )
-    full = train(
-        resident,
-        make_config(seed=SEED, epochs=EPOCHS),
-        validated_ingestion,
-        tmp_path / "full",
-        adapter_name="cancel",
-        validation=validation,
+    full = train_validated(
+        resident, validated_ingestion, validation, tmp_path / "full", "cancel", epochs=EPOCHS
     )
     result, state = _cancel_during_evaluation(
         resident, validated_ingestion, validation, tmp_path / "cut", at_step=4, after_rows=1
@@ -257,14 +252,8 @@ def test_a_cancel_during_an_evaluation_stops_at_once_and_leaves_the_checkpoint(r
 
     # The resume evaluates the step the cancel interrupted first, then continues: the whole history
     # and the adapter are the uninterrupted run's, bit for bit.
-    resumed = train(
-        resident,
-        make_config(seed=SEED, epochs=EPOCHS),
-        validated_ingestion,
-        tmp_path / "cut",
-        adapter_name="cancel",
-        validation=validation,
-        resume_checkpoint=written,
+    resumed = train_validated(
+        resident, validated_ingestion, validation, tmp_path / "cut", "cancel", written, epochs=EPOCHS
     )
     assert resumed.status == "success", resumed.failure_message
     assert resumed.validation_history == full.validation_history
@@ -288,11 +277,10 @@ def test_a_cancel_during_the_baseline_trains_nothing(resident, ingestion, tmp_pa
 
 def test_a_resume_continues_the_history_and_refuses_another_validation_corpus(resident, ingestion, tmp_path):
     validated_ingestion, validation = with_validation(resident, ingestion, interval=2)
-    config = make_config(seed=SEED, epochs=EPOCHS, checkpoint_interval=2)
     done = {"n": 0}
     first = train(
         resident,
-        config,
+        make_config(seed=SEED, **RESUMABLE),
         validated_ingestion,
         tmp_path,
         adapter_name="resumed",
@@ -302,13 +290,8 @@ def test_a_resume_continues_the_history_and_refuses_another_validation_corpus(re
     )
     assert first.failure_reason == "cancelled"
     point = tmp_path / "resumed-checkpoint-step-00000002.kiln-checkpoint"
-    full = train(
-        resident,
-        config,
-        validated_ingestion,
-        tmp_path / "full",
-        adapter_name="resumed",
-        validation=validation,
+    full = train_validated(
+        resident, validated_ingestion, validation, tmp_path / "full", "resumed", **RESUMABLE
     )
 
     other_ingestion, other = with_validation(
@@ -323,26 +306,14 @@ def test_a_resume_continues_the_history_and_refuses_another_validation_corpus(re
             "auxiliary_state.validation.interval_steps: checkpoint 2, request 3",
         ),
     ):
-        refused = train(
-            resident,
-            config,
-            ingested,
-            tmp_path / "refused",
-            adapter_name="resumed",
-            validation=vset,
-            resume_checkpoint=point,
+        refused = train_validated(
+            resident, ingested, vset, tmp_path / "refused", "resumed", point, **RESUMABLE
         )
         assert refused.status == "failed" and fragment in refused.failure_message, refused.failure_message
         assert refused.global_step == 0
 
-    resumed = train(
-        resident,
-        config,
-        validated_ingestion,
-        tmp_path,
-        adapter_name="resumed",
-        validation=validation,
-        resume_checkpoint=point,
+    resumed = train_validated(
+        resident, validated_ingestion, validation, tmp_path, "resumed", point, **RESUMABLE
     )
     assert resumed.status == "success", resumed.failure_message
     assert resumed.validation_history == full.validation_history
@@ -350,7 +321,7 @@ def test_a_resume_continues_the_history_and_refuses_another_validation_corpus(re
 
 
 def test_a_plain_checkpoint_refuses_a_resume_with_validation(resident, ingestion, tmp_path):
-    config = make_config(seed=SEED, epochs=EPOCHS, checkpoint_interval=2)
+    config = make_config(seed=SEED, **RESUMABLE)
     done = {"n": 0}
     train(
         resident,
@@ -382,28 +353,14 @@ def test_validation_rows_must_match_the_receipt_that_admitted_them(resident, ing
         (ingestion, validation),
         (validated_ingestion, ValidationSet(validation.rows[:1], validation.part, None)),
     ):
-        result = train(
-            resident,
-            make_config(seed=SEED, epochs=1),
-            ingested,
-            tmp_path,
-            adapter_name="rows",
-            validation=vset,
-        )
+        result = train_validated(resident, ingested, vset, tmp_path, "rows", epochs=1)
         assert result.failure_reason == "data_schema_error", result.failure_message
         assert result.validation_history == []
 
 
 def test_the_manifest_rules_check_the_validation_members(resident, ingestion, tmp_path):
     validated_ingestion, validation = with_validation(resident, ingestion, interval=2)
-    result = train(
-        resident,
-        make_config(seed=SEED, epochs=EPOCHS, checkpoint_interval=2),
-        validated_ingestion,
-        tmp_path,
-        adapter_name="rules",
-        validation=validation,
-    )
+    result = train_validated(resident, validated_ingestion, validation, tmp_path, "rules", **RESUMABLE)
     path = result.checkpoints[0]["path"]
     manifest = json.loads((ckpt.load_checkpoint(path).path / ckpt.MANIFEST_FILENAME).read_text())
     history = manifest["auxiliary_state"][ckpt.VALIDATION_HISTORY_AUX_KEY]

@@ -33,9 +33,8 @@ from kiln_train.data.ingestion import IngestionResult, ingest_examples
 from kiln_train.model.resident import ResidentModel, load_resident
 from kiln_train.model.tiny import write_tiny_checkpoint
 from kiln_train.sft_config import SftConfig, parse_sft_config
-from kiln_train.train.request import TrainRequest
 from kiln_train.train.result import TrainResult
-from kiln_train.train.trainer import train_sft
+from qualification.bench_support import train_on_resident
 
 TRAIN_THREADS = 1
 _CACHE: dict[str, object] = {}
@@ -111,10 +110,7 @@ def train(resident: ResidentModel, config: SftConfig, ingestion: IngestionResult
     before = torch.get_num_threads()
     torch.set_num_threads(TRAIN_THREADS)
     try:
-        kw.setdefault("loss_route", resident.backend.sft_loss_route)
-        return train_sft(
-            TrainRequest(resident=resident, config=config, ingestion=ingestion, output_root=root, **kw)
-        )
+        return train_on_resident(resident, config, ingestion, root, **kw)
     finally:
         torch.set_num_threads(before)
 
@@ -143,6 +139,18 @@ def failed_receipt(result: TrainResult, root: Path) -> dict:
     return receipt
 
 
+def result_summary(result: TrainResult) -> dict:
+    """What a fresh-process run prints of its result for the parent test to compare."""
+    return {
+        "status": result.status,
+        "failure_reason": result.failure_reason,
+        "failure_message": result.failure_message,
+        "global_step": result.global_step,
+        "loss_history": result.loss_history,
+        "adapter_path": None if result.adapter_path is None else str(result.adapter_path),
+    }
+
+
 # ----- the fresh-process resume driver ------------------------------------------------------------
 
 
@@ -157,28 +165,15 @@ def _resume_jobs(jobs_path: str) -> None:
             res = residents[job["model_dir"]] = load_resident(job["model_dir"])
         ingestion = ingest(res, job["rows"])
         config = SftConfig.model_validate(job["config"])
-        result = train_sft(
-            TrainRequest(
-                resident=res,
-                config=config,
-                ingestion=ingestion,
-                loss_route=res.backend.sft_loss_route,
-                output_root=job["output_root"],
-                adapter_name=job["adapter_name"],
-                resume_checkpoint=job["resume_checkpoint"],
-            )
+        result = train_on_resident(
+            res,
+            config,
+            ingestion,
+            job["output_root"],
+            adapter_name=job["adapter_name"],
+            resume_checkpoint=job["resume_checkpoint"],
         )
-        out.append(
-            {
-                "status": result.status,
-                "failure_reason": result.failure_reason,
-                "failure_message": result.failure_message,
-                "global_step": result.global_step,
-                "loss_history": result.loss_history,
-                "adapter_path": None if result.adapter_path is None else str(result.adapter_path),
-                "checkpoints": [c["basename"] for c in result.checkpoints],
-            }
-        )
+        out.append({**result_summary(result), "checkpoints": [c["basename"] for c in result.checkpoints]})
     print(json.dumps(out))
 
 

@@ -26,12 +26,12 @@ import torch
 
 from kiln_train.model.resident import load_resident
 from kiln_train.sft_config import SftConfig
-from kiln_train.train.request import TrainRequest
-from kiln_train.train.trainer import train_sft
+from qualification.bench_support import train_on_resident
 from tests.kiln_train.train.trainer_fixtures import (
     TRAIN_THREADS,
     ingest,
     read_json,
+    result_summary,
     run_in_fresh_process,
     train,
 )
@@ -168,32 +168,17 @@ def _leg_main(job_path: str) -> None:
     res = load_resident(job["model_dir"])
     ingestion = ingest(res, job["rows"], policy=job.get("policy", "fail"))
     stopper = StopAt(job["stop_at"]) if job.get("stop_at") is not None else None
-    result = train_sft(
-        TrainRequest(
-            resident=res,
-            config=SftConfig.model_validate(job["config"]),
-            ingestion=ingestion,
-            loss_route=res.backend.sft_loss_route,
-            output_root=job["output_root"],
-            adapter_name=job["adapter_name"],
-            resume_checkpoint=job.get("resume_checkpoint"),
-            progress=stopper.progress if stopper else None,
-            should_stop=stopper.should_stop if stopper else None,
-        )
+    result = train_on_resident(
+        res,
+        SftConfig.model_validate(job["config"]),
+        ingestion,
+        job["output_root"],
+        adapter_name=job["adapter_name"],
+        resume_checkpoint=job.get("resume_checkpoint"),
+        progress=stopper.progress if stopper else None,
+        should_stop=stopper.should_stop if stopper else None,
     )
-    print(
-        json.dumps(
-            {
-                "status": result.status,
-                "failure_reason": result.failure_reason,
-                "failure_message": result.failure_message,
-                "global_step": result.global_step,
-                "loss_history": result.loss_history,
-                "adapter_path": None if result.adapter_path is None else str(result.adapter_path),
-                "receipt_path": str(result.receipt_path),
-            }
-        )
-    )
+    print(json.dumps({**result_summary(result), "receipt_path": str(result.receipt_path)}))
 
 
 if __name__ == "__main__":

@@ -13,13 +13,14 @@ import dataclasses
 
 import pytest
 
-from kiln_train import model as model_pkg
 from kiln_train.checkpoint import PEFT_MESSAGE
 from kiln_train.model.resident import load_resident
 from tests.kiln_train.train import trainer_fixtures as fx
+from tests.kiln_train.train.resume import refusal_fixtures as rf
 from tests.kiln_train.train.trainer_fixtures import conversations, failed_receipt, ingest, make_config, train
 
 one_thread, resident, tiny_dir, other_tiny_dir = fx.one_thread, fx.resident, fx.tiny_dir, fx.other_tiny_dir
+attach_calls = rf.attach_calls
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -50,14 +51,6 @@ def checkpoint(resident, ingestion, tmp_path_factory):
     path = root / f"{NAME}-checkpoint-step-00000002.kiln-checkpoint"
     assert path.is_dir()
     return path
-
-
-@pytest.fixture
-def attach_calls(monkeypatch):
-    calls = []
-    real = model_pkg.attach_lora
-    monkeypatch.setattr(model_pkg, "attach_lora", lambda *a, **k: calls.append(a) or real(*a, **k))
-    return calls
 
 
 def _resume(res, ingestion, checkpoint, tmp_path, *, name=NAME, route=None, **changes):

@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln_train.train.request import TrainRequest
 from kiln_train.train.resume import intra_op_threads, recorded_aux, recorded_cpu_threads
-from kiln_train.train.trainer import train_sft
+from qualification.bench_support import train_on_resident
 from tests.kiln_train.train import trainer_fixtures as fx
 from tests.kiln_train.train.trainer_fixtures import conversations, ingest, make_config, read_json
 
@@ -30,17 +29,7 @@ ROWS, EPOCHS, INTERVAL, STOP = 4, 1, 2, 2
 
 def _train(resident, config, ingestion, root: Path, threads: int, **kw):
     with intra_op_threads(threads):
-        return train_sft(
-            TrainRequest(
-                resident=resident,
-                config=config,
-                ingestion=ingestion,
-                loss_route=resident.backend.sft_loss_route,
-                output_root=root,
-                adapter_name=NAME,
-                **kw,
-            )
-        )
+        return train_on_resident(resident, config, ingestion, root, adapter_name=NAME, **kw)
 
 
 def _adapter_sha(result) -> str:
@@ -87,16 +76,8 @@ def test_thread_count_changes_the_bits_and_a_resume_uses_the_recorded_count(resi
 
     # Resume in a process running 1 thread: the continuation runs with 2 and equals straight2.
     with intra_op_threads(1):
-        resumed = train_sft(
-            TrainRequest(
-                resident=resident,
-                config=config,
-                ingestion=ingestion,
-                loss_route=resident.backend.sft_loss_route,
-                output_root=stopped_root,
-                adapter_name=NAME,
-                resume_checkpoint=ckpt,
-            )
+        resumed = train_on_resident(
+            resident, config, ingestion, stopped_root, adapter_name=NAME, resume_checkpoint=ckpt
         )
         assert torch.get_num_threads() == 1  # the process's own count is back
     assert resumed.status == "success", resumed.failure_message
@@ -139,16 +120,8 @@ def test_a_resume_refused_by_the_loader_restores_the_thread_count(resident, setu
     body = {"auxiliary_state": {"backend_runtime": {"cpu_threads": 3}}}
     (bogus / "checkpoint_manifest.json").write_text(json.dumps(body), encoding="utf-8")
     with intra_op_threads(1):
-        result = train_sft(
-            TrainRequest(
-                resident=resident,
-                config=config,
-                ingestion=ingestion,
-                loss_route=resident.backend.sft_loss_route,
-                output_root=tmp_path / "out",
-                adapter_name=NAME,
-                resume_checkpoint=bogus,
-            )
+        result = train_on_resident(
+            resident, config, ingestion, tmp_path / "out", adapter_name=NAME, resume_checkpoint=bogus
         )
         assert torch.get_num_threads() == 1
     assert result.status == "failed"
