@@ -42,7 +42,11 @@ class Services:
 def build_services(settings: Settings, celery: Any | None = None) -> Services:
     """Open the job store and the broker client for `settings`."""
     settings.ensure_dirs()
-    engine = make_engine(settings.database_url, echo=settings.database.echo)
+    engine = make_engine(
+        settings.database_url,
+        echo=settings.database.echo,
+        idle_in_transaction_timeout_seconds=settings.training.lease_seconds,  # kiln/store/engine.py
+    )
     if celery is None:
         celery = make_broker_client(settings)
     return Services(

@@ -87,7 +87,13 @@ class WorkerRuntime(RunRecording):
         self.settings = settings
         self.resident = resident
         self.worker_id = worker_id or new_worker_id()
-        self.engine = store.make_engine(settings.database_url, echo=settings.database.echo)
+        # A transaction this process leaves open while frozen must not hold the job row past the
+        # lease, or the reconciler taking the job over would wait on its lock (kiln/store/engine.py).
+        self.engine = store.make_engine(
+            settings.database_url,
+            echo=settings.database.echo,
+            idle_in_transaction_timeout_seconds=settings.training.lease_seconds,
+        )
         self.factory = store.session_factory(self.engine)
         self.celery = celery
         self.run: CurrentRun | None = None

@@ -216,7 +216,8 @@ class TrainingSettings(BaseModel):
         120,
         le=MAX_INT,
         ge=5,
-        description="A running job whose lease ran out is taken over (resumed or restarted).",
+        description="A running job whose lease ran out is taken over (resumed or restarted); on "
+        "Postgres also the longest a transaction may sit idle before the server ends it.",
     )
     heartbeat_seconds: float = Field(
         5.0, gt=0, le=MAX_INT, description="Runner and job heartbeat period; at most lease_seconds / 3."

@@ -7,6 +7,15 @@ Transactions: store functions never commit; the caller owns the transaction, e.g
 `with factory.begin() as session: claim_job(session, ...)`. Keep transactions short (no
 tokenization or training inside one): on SQLite a transaction holds the database's write lock.
 
+A process frozen inside a transaction (SIGSTOP, a VM freeze, a swap storm) keeps its row locks
+for as long as it is frozen: a worker stopped between recording a step and committing it would
+hold its job's row, and the reconciler that must take the job over would wait on that lock for
+ever. The api and the worker therefore open Postgres connections with
+`idle_in_transaction_timeout_seconds` (the training lease): Postgres ends a session whose
+transaction has waited that long for its client, which rolls the transaction back and frees
+the locks. The frozen process, once it runs again, finds its connection closed (an
+OperationalError, retried on a new connection, where the fence refuses a superseded claim).
+
 SQLite specifics, and why:
 - `BEGIN IMMEDIATE` for every transaction: the write lock is taken at BEGIN, so a transaction
   that reads and then writes (cancel, admission, the reconciler) can never be refused with
@@ -24,12 +33,14 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 from kiln.store.models import Base
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+IDLE_IN_TRANSACTION_TIMEOUT = "25P03"  # Postgres' SQLSTATE for a session it ended that way
 ALEMBIC_URL_ATTRIBUTE = "kiln_database_url"
 
 
@@ -41,17 +52,48 @@ def normalize_url(url: str) -> str:
     return parsed.render_as_string(hide_password=False)
 
 
-def make_engine(url: str, echo: bool = False) -> Engine:
-    """An Engine for a SQLite file/memory URL or a Postgres URL, configured as described above."""
+def make_engine(
+    url: str, echo: bool = False, *, idle_in_transaction_timeout_seconds: float | None = None
+) -> Engine:
+    """An Engine for a SQLite file/memory URL or a Postgres URL, configured as described above.
+
+    `idle_in_transaction_timeout_seconds` (Postgres): the session of a transaction left waiting
+    for its client this long is ended by the server; None leaves the server's setting."""
     url = normalize_url(url)
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
-        return create_engine(url, echo=echo, pool_pre_ping=True)
+        engine = create_engine(url, echo=echo, pool_pre_ping=True)
+        if idle_in_transaction_timeout_seconds is not None and parsed.get_backend_name() == "postgresql":
+            _end_idle_transactions(engine, idle_in_transaction_timeout_seconds)
+        return engine
     if parsed.database and parsed.database != ":memory:":
         Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
     engine = create_engine(url, echo=echo, connect_args={"check_same_thread": False})
     _configure_sqlite(engine, in_memory=not parsed.database or parsed.database == ":memory:")
     return engine
+
+
+def _end_idle_transactions(engine: Engine, seconds: float) -> None:
+    milliseconds = max(1, round(seconds * 1000))
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection, _record) -> None:
+        # A session-level SET on each new connection (not a startup option: connection poolers
+        # such as PgBouncer refuse unknown startup parameters).
+        with dbapi_connection.cursor() as cursor:
+            cursor.execute(f"SET idle_in_transaction_session_timeout = {milliseconds}")
+        dbapi_connection.commit()
+
+    @event.listens_for(engine, "handle_error")
+    def _session_ended(context):
+        # Postgres reports the ended session as SQLSTATE 25P03, which the driver classes as an
+        # InternalError; it is a lost connection (retried on a new one), so say so.
+        original = context.original_exception
+        if getattr(original, "sqlstate", None) == IDLE_IN_TRANSACTION_TIMEOUT:
+            return sa_exc.OperationalError(
+                context.statement, context.parameters, original, connection_invalidated=True
+            )
+        return None
 
 
 def _configure_sqlite(engine: Engine, *, in_memory: bool) -> None:

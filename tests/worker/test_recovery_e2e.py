@@ -3,9 +3,10 @@ Redis, signals sent by PID (docs/ARCHITECTURE.md#recovery).
 
 - SIGKILL before the first checkpoint: the job runs again from step 0 (same pinned seed, same
   plan) and its adapter is bit-identical to an uninterrupted run's.
-- SIGSTOP of the owner for longer than its lease while a second worker runs: the job is taken
-  over and completed by the second worker; the stopped one, continued, records nothing and
-  publishes nothing; every step is recorded once and the adapter is an uninterrupted run's.
+- SIGSTOP of the owner for longer than its lease while a second worker runs (wherever it lands,
+  inside a transaction that holds the job row too): the job is taken over and completed by the
+  second worker; the stopped one, continued, records nothing and publishes nothing; every step
+  is recorded once and the adapter is an uninterrupted run's.
 - A flushed broker database with several queued jobs: they all start as soon as the worker is
   free (or within two reconcile periods of an idle worker), oldest first.
 """
@@ -107,7 +108,8 @@ def test_an_owner_stopped_past_its_lease_is_superseded_and_records_nothing(stack
     stack.start_api()
     stack.start_worker("worker-a")
     stack.start_worker("worker-b")
-    body = sft_body(8, epochs=3, checkpoint_interval=4, seed=42)
+    rows, epochs = 16, 4  # 64 steps: the owner is still training when the signal lands, on a fast CPU too
+    body = sft_body(rows, epochs=epochs, checkpoint_interval=4, seed=42)
     reference = submit(stack, named(body, unique_name("ref")))
     assert stack.wait_state(reference, ("completed", "failed"))["state"] == "completed"
 
@@ -119,6 +121,7 @@ def test_an_owner_stopped_past_its_lease_is_superseded_and_records_nothing(stack
     other = "worker-b" if owner == "worker-a" else "worker-a"
     stack.send(owner, signal.SIGSTOP)  # a VM freeze: no step, no heartbeat, no lease renewal
     try:
+        assert stack.status(job_id)["state"] == "running", "the job ended before its owner was stopped"
         stack.wait(lambda: len(started_attempts(stack, job_id)) == 2, 120, f"the takeover by {other}")
         time.sleep(1.0)  # the new owner is training when the old one wakes up
     finally:
@@ -131,7 +134,7 @@ def test_an_owner_stopped_past_its_lease_is_superseded_and_records_nothing(stack
     assert [a for a, _ in attempts] == [1, 2] and attempts[1][1] % 4 == 0  # a checkpoint, or step 0
     taken_by = [e["data"]["worker_id"] for e in stack.events(job_id) if e["kind"] == "started"][1]
     assert f"-{stack.procs[other].pid}-" in taken_by
-    assert loss_steps(stack, job_id) == list(range(1, 25))  # every step recorded exactly once
+    assert loss_steps(stack, job_id) == list(range(1, rows * epochs + 1))  # each step once
     ref_name = stack.get(f"/v1/train/jobs/{reference}")[1]["adapter_name"]
     assert adapter_bytes(stack, name) == adapter_bytes(stack, ref_name)
     stack.wait(lambda: "superseded" in stack.log(owner), 60, f"{owner} noticing")
