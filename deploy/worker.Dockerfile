@@ -6,16 +6,18 @@ ARG KILN_EXTRAS="train,gpu"
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /opt/kiln
 RUN pip install ${KILN_TORCH_SPEC}
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY kiln ./kiln
 COPY kiln_train ./kiln_train
 COPY api ./api
 COPY worker ./worker
 COPY migrations ./migrations
+# The versions the test suite passed with (constraints.txt, see scripts/lock-environment; the
+# torch build above is KILN_TORCH_SPEC's, of the same version).
 # A home directory (the tokenizer cache of `kiln model init-tiny`, Triton's kernel cache) and the
 # mount points owned by kiln: an empty named volume takes the ownership of its mount point, so
 # the `models` volume stays writable for the CPU override's `kiln model init-tiny`.
-RUN pip install ".[${KILN_EXTRAS}]" && useradd --system --create-home --uid 10001 kiln \
+RUN pip install -c constraints.txt ".[${KILN_EXTRAS}]" && useradd --system --create-home --uid 10001 kiln \
     && mkdir -p /var/lib/kiln /models && chown kiln /var/lib/kiln /models
 USER kiln
 CMD ["kiln", "worker"]

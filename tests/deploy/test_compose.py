@@ -421,3 +421,14 @@ def test_dockerignore_keeps_the_context_small_and_every_copied_path():
                 for src in line.split()[1:-1]:
                     top = src.rstrip("/").split("/")[0]
                     assert top not in patterns and src not in patterns, (name, src)
+
+
+@pytest.mark.parametrize("dockerfile", ["api.Dockerfile", "worker.Dockerfile"])
+def test_images_install_kiln_under_the_tested_constraints(dockerfile):
+    text = (ROOT / "deploy" / dockerfile).read_text()
+    copied = [src for line in text.splitlines() if line.startswith("COPY ") for src in line.split()[1:-1]]
+    assert "constraints.txt" in copied
+    installs = [line for line in text.splitlines() if "pip install" in line]
+    project = [line for line in installs if " . " in line or '".[' in line]  # the project itself
+    assert project, installs
+    assert all("pip install -c constraints.txt " in line for line in project), project

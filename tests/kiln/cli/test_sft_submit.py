@@ -19,6 +19,7 @@ from kiln.cli import sft_submit
 from kiln.cli.sft_submit import read_smoke_prompts
 from tests.api.conftest import example
 from tests.kiln.cli.api_server import PROFILE, api_server, http_json, name, submit, write_jsonl
+from tests.kiln.cli.processes import ctrl_c_default
 from tests.worker.stack import KILN, Stack
 
 # ----- kiln train sft -------------------------------------------------------------------------
@@ -353,7 +354,7 @@ def test_ctrl_c_stops_waiting_and_prints_the_cancel_hint(server, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
     proc = subprocess.Popen(
         [*KILN, "train", "sft", "--data", str(data), "--rank", "4", "--alpha", "8", "--url", server.url],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path, preexec_fn=ctrl_c_default,
     )  # fmt: skip
     try:
         first = proc.stdout.readline().decode()  # the admission's first line: "job <id> queued"

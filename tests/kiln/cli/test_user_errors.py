@@ -22,6 +22,7 @@ from click.testing import CliRunner
 import kiln.cli.tokenizer_cmd as tokenizer_cmd
 from kiln.cli.http_client import BadUrl, normalize_url
 from kiln.cli.main import cli
+from tests.kiln.cli.processes import ctrl_c_default
 
 CLOSED_URL = "http://127.0.0.1:9"  # discard port: nothing listens there
 DOWN_POSTGRES = "postgresql+psycopg://kiln:secret@127.0.0.1:9/kiln"
@@ -315,6 +316,7 @@ def test_ctrl_c_before_the_answer_exits_130_without_a_traceback(tmp_path, args, 
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=ctrl_c_default,
         )
         conn, _ = silent.accept()  # the request is on its way
         with conn:

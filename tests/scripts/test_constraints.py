@@ -1,0 +1,62 @@
+"""constraints.txt is the environment the suite runs in, and the TRL runner's lock agrees with it.
+
+scripts/bootstrap installs under constraints.txt, so a release on PyPI cannot change what CI
+tests; scripts/lock-environment rewrites the file from .venv after a deliberate upgrade.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from packaging.utils import canonicalize_name
+
+from kiln_train.interop.bundle import parse_lock, runner_bytes
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def pins(lines: list[str]) -> dict[str, str]:
+    """`name==version` lines (comments and blanks skipped) -> canonical name: public version."""
+    found = {}
+    for line in lines:
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, _, version = line.partition("==")
+        assert version, f"not a name==version pin: {line!r}"
+        found[canonicalize_name(name)] = version.split("+", 1)[0]
+    return found
+
+
+def constraints() -> dict[str, str]:
+    return pins((ROOT / "constraints.txt").read_text(encoding="utf-8").splitlines())
+
+
+def test_the_environment_is_installed_at_the_constrained_versions():
+    frozen = subprocess.run(
+        [sys.executable, "-m", "pip", "freeze", "--all", "--exclude-editable", "--exclude", "pip"],
+        capture_output=True, text=True, check=True,
+    ).stdout.splitlines()  # fmt: skip
+    installed = pins(frozen)
+    assert installed == constraints(), "regenerate after a deliberate upgrade: scripts/lock-environment"
+
+
+def test_the_runner_lock_agrees_with_the_constraints():
+    lock = parse_lock(runner_bytes("requirements.lock").decode("utf-8"))
+    pinned = constraints()
+    differ = {
+        name: (version, pinned.get(name)) for name, version in lock.items() if pinned.get(name) != version
+    }
+    assert differ == {}
+
+
+def test_bootstrap_installs_everything_under_the_constraints():
+    script = (ROOT / "scripts" / "bootstrap").read_text(encoding="utf-8")
+    installs = [
+        line
+        for line in script.splitlines()
+        if line.startswith("pip_quiet ") and "pip" not in line.split()[1:]
+    ]
+    assert installs and all(line.startswith("pip_quiet -c constraints.txt ") for line in installs), installs
