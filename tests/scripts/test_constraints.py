@@ -13,32 +13,25 @@ from pathlib import Path
 from packaging.utils import canonicalize_name
 
 from kiln_train.interop.bundle import parse_lock, runner_bytes
+from kiln_train.interop.pins import public_version
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def pins(lines: list[str]) -> dict[str, str]:
-    """`name==version` lines (comments and blanks skipped) -> canonical name: public version."""
-    found = {}
-    for line in lines:
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        name, _, version = line.partition("==")
-        assert version, f"not a name==version pin: {line!r}"
-        found[canonicalize_name(name)] = version.split("+", 1)[0]
-    return found
+def pins(text: str) -> dict[str, str]:
+    """`name==version` lines -> canonical name: public version (pip freeze keeps local labels)."""
+    return {canonicalize_name(name): public_version(version) for name, version in parse_lock(text).items()}
 
 
 def constraints() -> dict[str, str]:
-    return pins((ROOT / "constraints.txt").read_text(encoding="utf-8").splitlines())
+    return pins((ROOT / "constraints.txt").read_text(encoding="utf-8"))
 
 
 def test_the_environment_is_installed_at_the_constrained_versions():
     frozen = subprocess.run(
         [sys.executable, "-m", "pip", "freeze", "--all", "--exclude-editable", "--exclude", "pip"],
         capture_output=True, text=True, check=True,
-    ).stdout.splitlines()  # fmt: skip
+    ).stdout  # fmt: skip
     installed = pins(frozen)
     assert installed == constraints(), "regenerate after a deliberate upgrade: scripts/lock-environment"
 
