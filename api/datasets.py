@@ -227,7 +227,7 @@ def list_datasets(datasets_dir: Path) -> list[DatasetInfo]:
 
 @lru_cache(maxsize=1)
 def packaged_tokenizer():
-    from kiln.cli.tokenizer_cmd import cached_tokenizer
+    from kiln_train.data.packaged_tokenizer import cached_tokenizer
 
     return cached_tokenizer()
 

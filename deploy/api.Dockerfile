@@ -4,6 +4,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /opt/kiln
 COPY pyproject.toml README.md constraints.txt ./
 COPY kiln ./kiln
+COPY kiln_cli ./kiln_cli
 COPY kiln_train ./kiln_train
 COPY api ./api
 COPY worker ./worker

@@ -8,6 +8,7 @@ WORKDIR /opt/kiln
 RUN pip install ${KILN_TORCH_SPEC}
 COPY pyproject.toml README.md constraints.txt ./
 COPY kiln ./kiln
+COPY kiln_cli ./kiln_cli
 COPY kiln_train ./kiln_train
 COPY api ./api
 COPY worker ./worker

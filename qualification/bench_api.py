@@ -122,7 +122,7 @@ def free_port() -> int:
 
 @contextmanager
 def gunicorn(env: dict, port: int):
-    cmd = [sys.executable, "-m", "kiln.cli.main", "serve", "--port", str(port), "--workers", "2"]
+    cmd = [sys.executable, "-m", "kiln_cli.main", "serve", "--port", str(port), "--workers", "2"]
     server = subprocess.Popen(
         cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )

@@ -39,7 +39,7 @@ python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 
 python3 -c "import fla; print('fla', fla.__version__)" || echo "flash-linear-attention not importable"
 stage pytest_gpu 130 python3 -m pytest -m gpu -v -p no:cacheprovider -o addopts="-ra" --timeout 100 \
     tests/kiln_train/model/test_qwen35_gpu.py tests/kiln_train/qualify/test_workload.py
-stage qualify_cuda 60 python3 -c "from kiln.cli.main import main; main()" \
+stage qualify_cuda 60 python3 -c "from kiln_cli.main import main; main()" \
     qualify adamw-pytorch-oracle-v1 --device cuda --out "$out"
 stage bench_parity 60 python3 qualification/bench_model.py --device cuda --parity
 # Each side on its own limit: a slow transformers build must not take our figures with it.

@@ -28,9 +28,9 @@ from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TOP_DIRS = ("api/", "kiln/", "kiln_train/", "worker/", "migrations/", "tests/", "qualification/")
+TOP_DIRS = ("api/", "kiln/", "kiln_cli/", "kiln_train/", "worker/", "migrations/", "tests/", "qualification/")
 TOP_DIRS += ("deploy/", "scripts/", "docs/", "examples/")
-PACKAGES = ("api", "kiln", "kiln_train", "worker", "migrations")
+PACKAGES = ("api", "kiln", "kiln_cli", "kiln_train", "worker", "migrations")
 # Placeholders that stand for "some file", not a file of this repository.
 PLACEHOLDERS = {"path/to/module.py", "path/file.py"}
 

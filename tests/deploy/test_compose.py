@@ -33,8 +33,8 @@ import yaml
 from click.testing import CliRunner
 from sqlalchemy.engine import make_url
 
-from kiln.cli.main import cli
 from kiln.settings import load_settings
+from kiln_cli.main import cli
 from tests.services import redis_url
 
 ROOT = Path(__file__).resolve().parents[2]

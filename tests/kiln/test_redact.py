@@ -9,8 +9,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from kiln.cli.main import cli
 from kiln.redact import redact_url
+from kiln_cli.main import cli
 
 
 @pytest.mark.parametrize(

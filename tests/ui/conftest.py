@@ -44,7 +44,7 @@ DESKTOP = {"width": 1280, "height": 800}
 PHONE = {"width": 390, "height": 844}
 TRAINING_MEMORY_GB = 0.2
 START_TIMEOUT_S = 240
-KILN = [sys.executable, "-m", "kiln.cli.main"]
+KILN = [sys.executable, "-m", "kiln_cli.main"]
 
 
 def free_port() -> int:

@@ -62,7 +62,7 @@ def test_the_inspector_marks_exactly_the_tokens_kiln_data_inspect_supervises(
     data = tmp_path / "inspect.jsonl"
     data.write_text(jsonl(rows))
     cli = subprocess.run(
-        [sys.executable, "-m", "kiln.cli.main", "data", "inspect", str(data), "--model", str(tiny_model_dir),
+        [sys.executable, "-m", "kiln_cli.main", "data", "inspect", str(data), "--model", str(tiny_model_dir),
          "--policy", "skip", "--json"],
         capture_output=True, text=True, env=clean_env(), check=True,
     )  # fmt: skip
@@ -202,7 +202,7 @@ def test_with_api_tokens_the_page_asks_for_one_and_sends_it_as_a_bearer(browser,
     )
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kiln.cli.main", "serve", "--workers", "1"],
+            [sys.executable, "-m", "kiln_cli.main", "serve", "--workers", "1"],
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     try:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tests.services import redis_url
 
-KILN = [sys.executable, "-m", "kiln.cli.main"]
+KILN = [sys.executable, "-m", "kiln_cli.main"]
 REDIS_E2E = redis_url(13)
 
 

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from api import create_app
-from kiln.cli.main import cli
+from kiln_cli.main import cli
 from kiln_train.data.ingestion import ingest_jsonl
 from kiln_train.data.labels import IGNORE_INDEX
 from tests.api.conftest import example, make_settings, snapshot

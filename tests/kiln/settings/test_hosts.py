@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from kiln.cli.main import cli
 from kiln.settings import (
     ConfigError,
     ServerSettings,
@@ -15,6 +14,7 @@ from kiln.settings import (
     is_loopback_host,
     load_settings,
 )
+from kiln_cli.main import cli
 
 
 @pytest.mark.parametrize(

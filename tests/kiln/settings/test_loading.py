@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kiln.cli.main import cli
 from kiln.settings import ConfigError, check_bind_safety, load_settings
+from kiln_cli.main import cli
 
 
 def write_toml(tmp_path: Path, text: str) -> Path:

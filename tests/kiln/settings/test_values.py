@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kiln.cli.main import cli
 from kiln.settings import ConfigError, load_settings
+from kiln_cli.main import cli
 
 
 def toml(tmp_path: Path, text: str) -> Path:

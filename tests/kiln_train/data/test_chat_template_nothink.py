@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kiln.cli.main import cli
+from kiln_cli.main import cli
 from kiln_train.data.chat_template import (
     NOTHINK_TEMPLATE_FILE,
     chat_template_sha256,

@@ -24,7 +24,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from kiln.cli.main import cli
+from kiln_cli.main import cli
 from kiln_train.data.chat_template import training_chat_template_sha256
 from kiln_train.data.conversation import parse_example
 from kiln_train.data.ingestion import ingest_examples, iter_example_outcomes, iter_jsonl_outcomes

@@ -25,7 +25,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from kiln.cli.main import cli
+from kiln_cli.main import cli
 from kiln_train.data.chat_template import ChatTemplate
 from kiln_train.data.conversation import parse_example
 from kiln_train.data.ingestion import (

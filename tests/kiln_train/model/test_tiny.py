@@ -151,10 +151,10 @@ def test_transformers_loads_the_directory(tiny_dir):
 
 
 def test_cli_init_tiny(tmp_path, monkeypatch, qwen_tokenizer):
-    import kiln.cli.tokenizer_cmd as tokenizer_cmd
-    from kiln.cli.main import cli
+    import kiln_train.data.packaged_tokenizer as packaged_tokenizer
+    from kiln_cli.main import cli
 
-    monkeypatch.setattr(tokenizer_cmd, "cached_tokenizer", lambda: qwen_tokenizer)
+    monkeypatch.setattr(packaged_tokenizer, "cached_tokenizer", lambda: qwen_tokenizer)
     out = tmp_path / "m"
     result = CliRunner().invoke(cli, ["model", "init-tiny", str(out), "--seed", "5"])
     assert result.exit_code == 0, result.output

@@ -11,7 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kiln.cli.main import cli
+from kiln_cli.main import cli
 from kiln_train.artifacts.digest import file_sha256_hex
 from kiln_train.qualify.workload import (
     NO_CUDA_REASON,
