@@ -7,7 +7,7 @@ no setting on purpose.
 """
 
 from kiln.settings.errors import ConfigError
-from kiln.settings.hosts import LOOPBACK_NAMES, check_bind_safety, host_name, is_loopback_host
+from kiln.settings.hosts import LOOPBACK_NAMES, host_name, is_loopback_host
 from kiln.settings.loading import (
     CONFIG_ENV,
     DEFAULT_CONFIG_FILE,
@@ -30,6 +30,7 @@ from kiln.settings.sections import (
     Settings,
     StorageSettings,
     TrainingSettings,
+    check_bind_safety,
 )
 
 __all__ = [

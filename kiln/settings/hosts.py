@@ -1,16 +1,11 @@
-"""Host names and bind addresses: the host part of a Host header or address, whether an address
-is loopback, and the refusal to serve a non-loopback address without tokens."""
+"""Host names and bind addresses: the host part of a Host header or address, and whether an
+address is loopback (the refusal to serve a non-loopback address without tokens,
+`check_bind_safety`, is a rule over the settings and lives with them in `sections.py`)."""
 
 from __future__ import annotations
 
 import ipaddress
 import re
-from typing import TYPE_CHECKING
-
-from kiln.settings.errors import ConfigError
-
-if TYPE_CHECKING:
-    from kiln.settings.sections import Settings
 
 _HOST_NAME = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*\.?")
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -48,17 +43,3 @@ def is_loopback_host(host: str) -> bool:
         return False
     mapped = getattr(address, "ipv4_mapped", None)
     return (mapped or address).is_loopback
-
-
-def check_bind_safety(settings: Settings) -> None:
-    """Refuse to serve a non-loopback address without tokens unless explicitly allowed."""
-    host = settings.server.host
-    if (
-        not is_loopback_host(host)
-        and not settings.server.api_tokens
-        and not settings.server.allow_unauthenticated_remote
-    ):
-        raise ConfigError(
-            f"server.host={host} is not a loopback address and server.api_tokens is empty; set "
-            "KILN_SERVER_API_TOKENS or server.allow_unauthenticated_remote=true"
-        )

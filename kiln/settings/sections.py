@@ -8,6 +8,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kiln.settings.broker_url import kombu_url
+from kiln.settings.errors import ConfigError
 from kiln.settings.hosts import _HOST_NAME, LOOPBACK_NAMES, _is_ip, host_name, is_loopback_host
 
 # Largest integer setting: fits a PostgreSQL integer and any timedelta / sleep (68 years of seconds).
@@ -165,8 +167,6 @@ class QueueSettings(BaseModel):
             raise ValueError("not a broker URL (transport://..., e.g. redis://host:6379/0)")
         if scheme.partition("+")[0] not in TRANSPORT_ALIASES:
             raise ValueError(f"unknown broker transport {scheme!r} (use redis://host:6379/0)")
-        from kiln.broker import kombu_url
-
         kombu_url(v)  # a password given twice stops start-up here, not in the worker
         return v
 
@@ -310,3 +310,17 @@ SECTIONS: dict[str, type[BaseModel]] = {
     name: f.annotation  # type: ignore[misc]
     for name, f in Settings.model_fields.items()
 }
+
+
+def check_bind_safety(settings: Settings) -> None:
+    """Refuse to serve a non-loopback address without tokens unless explicitly allowed."""
+    host = settings.server.host
+    if (
+        not is_loopback_host(host)
+        and not settings.server.api_tokens
+        and not settings.server.allow_unauthenticated_remote
+    ):
+        raise ConfigError(
+            f"server.host={host} is not a loopback address and server.api_tokens is empty; set "
+            "KILN_SERVER_API_TOKENS or server.allow_unauthenticated_remote=true"
+        )

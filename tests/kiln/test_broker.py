@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from kiln.broker import celery_config, kombu_url, make_broker_client, publish_job
+from kiln.broker import celery_config, make_broker_client, publish_job
 from kiln.settings import ConfigError, load_settings
+from kiln.settings.broker_url import kombu_url
 
 PASSWORD = "s3/cr@t:pw"
 QUOTED = "s3%2Fcr%40t%3Apw"
