@@ -1,19 +1,21 @@
 """What a run writes to the job store while it holds its claim: each step, each validation
-evaluation, each published checkpoint, its events, and its outcome (completed with its adapter, failed with a reason, or
-released at a checkpoint when the worker shuts down).
+evaluation, each published checkpoint, its events, and its outcome (completed with its adapter,
+failed with a reason, or released at a checkpoint when the worker shuts down).
 
-`RunRecording` is a part of `worker.runtime.WorkerRuntime`, kept here so each file holds one
-idea. It uses the runtime's `settings`, `worker_id`, `resident`, `run`, `lease_lock`, `shutdown`,
-`reconciler`, `transact` and `_run_of`. Every write goes through `transact` (retried through a
-brief outage) and checks the run's claim, so a superseded run records nothing.
+`WorkerRuntime` holds one `RunRecording`, built with what the writes need: the runtime's
+`transact` (retried through a brief outage), the worker id, the lease length, the resident base
+weights' digest and a view of the run the worker holds (`CurrentRun`). Every write checks the
+run's claim, so a superseded run records nothing.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from threading import Event
+from typing import TypeVar
 
 from sqlalchemy.orm import Session
 
@@ -26,10 +28,8 @@ from kiln_train.artifacts.fencing import take_back
 from kiln_train.errors import OwnershipLost
 from kiln_train.train.evaluation import Evaluation
 from kiln_train.train.result import StepReport, TrainResult
+from worker.fence import JobFence
 from worker.verify import PinnedJob
-
-if TYPE_CHECKING:
-    from worker.runtime import CurrentRun
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -38,17 +38,60 @@ T = TypeVar("T")
 STEP_COLUMNS = ("global_step", "epoch", "loss", "learning_rate", "step_ms", "tokens", "supervised_tokens")
 
 
-class RunRecording:
-    """The store writes of the run this worker holds (a part of WorkerRuntime)."""
+@dataclass
+class CurrentRun:
+    """The job this worker is running (under which claim: the fence) and the flags other threads
+    raise for exactly that run (a late heartbeat for the previous job must not cancel the next)."""
 
-    def _on_step(self, job_id: str, report: StepReport) -> None:
+    job_id: str
+    epochs: int
+    attempt: int  # the claim number this run holds (`attempts` after its claim)
+    fence: JobFence | None = None
+    cancel: Event = field(default_factory=Event)
+    lease_lost: Event = field(default_factory=Event)
+    store_error: Exception | None = None  # the store stayed down while recording progress
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.job_id, self.attempt
+
+
+def held_run(run: CurrentRun | None, job_id: str) -> CurrentRun:
+    """`run` when it is `job_id`'s; otherwise this worker no longer holds that job."""
+    if run is None or run.job_id != job_id:
+        raise OwnershipLost(f"job {job_id} is not the run this worker holds")
+    return run
+
+
+class RunRecording:
+    """The store writes of the run a worker holds."""
+
+    def __init__(
+        self,
+        *,
+        transact: Callable[[Callable[[Session, bool], T]], T],
+        worker_id: str,
+        lease_seconds: int,
+        base_weights_sha256: str,
+        current_run: Callable[[], CurrentRun | None],
+    ) -> None:
+        self.transact = transact
+        self.worker_id = worker_id
+        self.lease_seconds = lease_seconds
+        self.base_weights_sha256 = base_weights_sha256
+        self.current_run = current_run
+
+    def _run_of(self, job_id: str) -> CurrentRun:
+        return held_run(self.current_run(), job_id)
+
+    def on_step(self, job_id: str, report: StepReport) -> None:
         """Record one step (loss curve, progress, lease, runner heartbeat) under this run's claim;
         the trainer publishes the step's checkpoint after this. A superseded claim raises
         `LeaseLost`: the trainer stops here, at the step boundary, having recorded nothing."""
         run = self._run_of(job_id)
         if run.lease_lost.is_set():
             raise store.LeaseLost(job_id, self.worker_id)
-        lease = self.settings.training.lease_seconds
+        lease = self.lease_seconds
         rows = max(1, report.total_steps // max(1, run.epochs))
 
         def write(s: Session, retried: bool) -> bool:
@@ -76,14 +119,14 @@ class RunRecording:
         if self._transact_for_run(run, write):
             run.cancel.set()
 
-    def _on_evaluation(self, job_id: str, evaluation: Evaluation) -> None:
+    def on_evaluation(self, job_id: str, evaluation: Evaluation) -> None:
         """Record one validation evaluation (a `validation_evaluations` row and its event) under
         this run's claim, before the step's checkpoint is published; a superseded claim raises
         `LeaseLost` and records nothing."""
         run = self._run_of(job_id)
         if run.lease_lost.is_set():
             raise store.LeaseLost(job_id, self.worker_id)
-        lease = self.settings.training.lease_seconds
+        lease = self.lease_seconds
         record = {
             **evaluation.to_json(),
             "supervised_tokens": evaluation.supervised_tokens,
@@ -122,14 +165,14 @@ class RunRecording:
             run.store_error = exc
             raise
 
-    def _on_checkpoint(self, job_id: str, record: dict) -> None:
+    def on_checkpoint(self, job_id: str, record: dict) -> None:
         """A checkpoint was published (its step is already recorded): record it under this run's
         claim. A superseded claim raises `LeaseLost`; the checkpoint passed its fence checks, so it
         stays for the current owner, who adopts or withdraws it."""
         run = self._run_of(job_id)
         if run.lease_lost.is_set():
             raise store.LeaseLost(job_id, self.worker_id)
-        lease = self.settings.training.lease_seconds
+        lease = self.lease_seconds
 
         def write(s: Session, retried: bool) -> None:
             store.renew_lease(s, job_id, self.worker_id, lease, attempt=run.attempt)
@@ -141,7 +184,7 @@ class RunRecording:
             run.lease_lost.set()
             raise
 
-    def _event(self, job_id: str, kind: str, message: str, **kw) -> None:
+    def event(self, job_id: str, kind: str, message: str, **kw) -> None:
         """An event of the running job, written only while this run's claim holds it."""
         run = self._run_of(job_id)
 
@@ -151,10 +194,10 @@ class RunRecording:
 
         self.transact(write)
 
-    def _finish_failed(
+    def finish_failed(
         self, job_id: str, reason: str, message: str, *, code: str | None = None, **extra
     ) -> None:
-        run = self.run
+        run = self.current_run()
         attempt = run.attempt if run is not None and run.job_id == job_id else None
         try:
             self.transact(
@@ -173,11 +216,8 @@ class RunRecording:
         except (store.LeaseLost, store.InvalidTransition) as exc:
             log.warning("job %s could not be failed by this worker: %s", job_id, exc)
 
-    def _record_result(self, pinned: PinnedJob, result: TrainResult) -> str:
-        job_id = pinned.job_id
-        run = self._run_of(job_id)
-        if run.store_error is not None:
-            raise run.store_error  # left to the reconciler, like any outcome the store cannot take
+    def record_result(self, pinned: PinnedJob, result: TrainResult) -> str:
+        """Record a finished run: `completed` with its adapter, or `failed` with its reason."""
         latest = result.checkpoints[-1]["basename"] if result.checkpoints else None
         common = {
             "global_step": result.global_step,
@@ -189,9 +229,7 @@ class RunRecording:
         }
         if result.status == "success":
             return self._complete(pinned, result, common)
-        if result.failure_reason == "cancelled" and self.shutdown.is_set() and not run.cancel.is_set():
-            return self._release_for_resume(job_id)
-        self._finish_failed(job_id, result.failure_reason, result.failure_message or "", **common)
+        self.finish_failed(pinned.job_id, result.failure_reason, result.failure_message or "", **common)
         return "failed"
 
     def _complete(self, pinned: PinnedJob, result: TrainResult, common: dict) -> str:
@@ -215,7 +253,7 @@ class RunRecording:
                 safetensors_sha256=digest,
                 rank=result.receipt["hyperparameters"]["rank"],
                 alpha=result.receipt["hyperparameters"]["alpha"],
-                base_model_sha256=self.resident.base_weights_sha256,
+                base_model_sha256=self.base_weights_sha256,
             )
             store.finish_job(
                 s,
@@ -245,12 +283,9 @@ class RunRecording:
         if identity is not None:
             take_back(path, identity)
 
-    def _release_for_resume(self, job_id: str) -> str:
-        """Worker shutdown mid-job: the checkpoint is written; expire our lease so the reconciler
-        (here after a restart, or on another worker) resumes the job from it."""
-        attempt = self.run.attempt if self.run is not None else None
-        with self.lease_lock:  # no heartbeat renews the lease we are about to expire
-            self.run = None
+    def release(self, job_id: str, attempt: int | None) -> bool:
+        """Expire this claim's lease at a checkpoint (worker shutdown), so the job is resumed;
+        False when the claim no longer held the job."""
 
         def release(s: Session, _: bool) -> bool:
             try:
@@ -268,10 +303,7 @@ class RunRecording:
             )
             return True
 
-        if not self.transact(release):
-            return "lost"
-        self.reconciler.run_once()
-        return "requeued"
+        return self.transact(release)
 
 
 def record_checkpoint(s: Session, job_id: str, record: dict) -> None:

@@ -18,7 +18,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import TypeVar
@@ -39,7 +38,7 @@ from kiln_train.train.result import TrainResult
 from kiln_train.train.trainer import train_sft
 from worker.fence import JobFence
 from worker.reconciler import Reconciler, unrecorded_checkpoints_beyond
-from worker.run_records import RunRecording
+from worker.run_records import CurrentRun, RunRecording, held_run
 from worker.runner import heartbeat_file, runner_registration
 from worker.verify import PLAN_DRIFT, PLAN_DRIFT_CODE, PinnedJob, PlanDrift, pin_job, verify_plan
 
@@ -60,25 +59,7 @@ def new_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-@dataclass
-class CurrentRun:
-    """The job this worker is running (under which claim: the fence) and the flags other threads
-    raise for exactly that run (a late heartbeat for the previous job must not cancel the next)."""
-
-    job_id: str
-    epochs: int
-    attempt: int  # the claim number this run holds (`attempts` after its claim)
-    fence: JobFence | None = None
-    cancel: threading.Event = field(default_factory=threading.Event)
-    lease_lost: threading.Event = field(default_factory=threading.Event)
-    store_error: Exception | None = None  # the store stayed down while recording progress
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return self.job_id, self.attempt
-
-
-class WorkerRuntime(RunRecording):
+class WorkerRuntime:
     """Everything one worker process owns: settings, store, resident model, threads."""
 
     def __init__(
@@ -109,6 +90,13 @@ class WorkerRuntime(RunRecording):
         self._stop_threads = threading.Event()
         self._threads: list[threading.Thread] = []
         self.reconciler = Reconciler(self)
+        self.recording = RunRecording(
+            transact=self.transact,
+            worker_id=self.worker_id,
+            lease_seconds=settings.training.lease_seconds,
+            base_weights_sha256=resident.base_weights_sha256,
+            current_run=lambda: self.run,
+        )
 
     # ----- life cycle ----------------------------------------------------------------------
     def start(self, *, threads: bool = True) -> None:
@@ -307,7 +295,7 @@ class WorkerRuntime(RunRecording):
             return None
         pinned, attempts = claimed  # deliveries, not counting graceful releases
         if attempts > self.settings.training.max_attempts:
-            self._finish_failed(
+            self.recording.finish_failed(
                 pinned.job_id,
                 states.REASON_WORKER_LOST,
                 f"gave up after {attempts - 1} deliveries that did not finish (max_attempts "
@@ -351,7 +339,7 @@ class WorkerRuntime(RunRecording):
             raise
         except Exception as exc:
             log.exception("job %s: the worker failed", pinned.job_id)
-            self._finish_failed(
+            self.recording.finish_failed(
                 pinned.job_id,
                 WORKER_ERROR_REASON,
                 f"worker error: {type(exc).__name__}: {exc}",
@@ -364,20 +352,40 @@ class WorkerRuntime(RunRecording):
             work = verify_plan(pinned, self.resident, self.settings)
         except PlanDrift as exc:
             log.error("job %s: plan drift: %s", pinned.job_id, exc)
-            self._finish_failed(pinned.job_id, PLAN_DRIFT, str(exc), code=PLAN_DRIFT_CODE)
+            self.recording.finish_failed(pinned.job_id, PLAN_DRIFT, str(exc), code=PLAN_DRIFT_CODE)
             return "failed"
-        self._event(pinned.job_id, states.EVENT_PLAN_VERIFIED, "pinned plan re-verified at dequeue")
+        self.recording.event(pinned.job_id, states.EVENT_PLAN_VERIFIED, "pinned plan re-verified at dequeue")
         self._withdraw_unrecorded_leftovers(pinned, work)
         shortfall = self._reserve(pinned)
         if shortfall is not None:
-            self._finish_failed(pinned.job_id, "oom", shortfall, code=RESERVATION_FAILED_CODE)
+            self.recording.finish_failed(pinned.job_id, "oom", shortfall, code=RESERVATION_FAILED_CODE)
             return "failed"
         try:
             result = self._train(pinned, work)
         except KilnError as exc:  # refused before training (e.g. a name taken since admission)
-            self._finish_failed(pinned.job_id, "training_error", exc.message, code=exc.code)
+            self.recording.finish_failed(pinned.job_id, "training_error", exc.message, code=exc.code)
             return "failed"
         return self._record_result(pinned, result)
+
+    def _record_result(self, pinned: PinnedJob, result: TrainResult) -> str:
+        run = self._run_of(pinned.job_id)
+        if run.store_error is not None:
+            raise run.store_error  # left to the reconciler, like any outcome the store cannot take
+        stopped_by_shutdown = self.shutdown.is_set() and not run.cancel.is_set()
+        if result.status != "success" and result.failure_reason == "cancelled" and stopped_by_shutdown:
+            return self._release_for_resume(pinned.job_id)
+        return self.recording.record_result(pinned, result)
+
+    def _release_for_resume(self, job_id: str) -> str:
+        """Worker shutdown mid-job: the checkpoint is written; expire our lease so the reconciler
+        (here after a restart, or on another worker) resumes the job from it."""
+        attempt = self.run.attempt if self.run is not None else None
+        with self.lease_lock:  # no heartbeat renews the lease we are about to expire
+            self.run = None
+        if not self.recording.release(job_id, attempt):
+            return "lost"
+        self.reconciler.run_once()
+        return "requeued"
 
     def _train(self, pinned: PinnedJob, work) -> TrainResult:
         return train_sft(
@@ -388,15 +396,15 @@ class WorkerRuntime(RunRecording):
                 loss_route=pinned.loss_route,
                 output_root=self.settings.adapters_dir,
                 adapter_name=pinned.adapter_name,
-                progress=lambda report: self._on_step(pinned.job_id, report),
+                progress=lambda report: self.recording.on_step(pinned.job_id, report),
                 should_stop=lambda: self._should_stop(pinned.job_id),
                 checkpoint_plan=work.checkpoint_plan,
                 resume_checkpoint=work.resume_path,
-                on_checkpoint=lambda record: self._on_checkpoint(pinned.job_id, record),
+                on_checkpoint=lambda record: self.recording.on_checkpoint(pinned.job_id, record),
                 run_id=pinned.job_id[:8] + "-" + uuid.uuid4().hex[:6],
                 fence=self._run_of(pinned.job_id).fence,
                 validation=work.validation,
-                on_evaluation=lambda evaluation: self._on_evaluation(pinned.job_id, evaluation),
+                on_evaluation=lambda evaluation: self.recording.on_evaluation(pinned.job_id, evaluation),
             )
         )
 
@@ -450,10 +458,7 @@ class WorkerRuntime(RunRecording):
         return self.shutdown.is_set() or (run is not None and run.job_id == job_id and run.cancel.is_set())
 
     def _run_of(self, job_id: str) -> CurrentRun:
-        run = self.run
-        if run is None or run.job_id != job_id:
-            raise OwnershipLost(f"job {job_id} is not the run this worker holds")
-        return run
+        return held_run(self.run, job_id)
 
 
 def _run_identity(pinned: PinnedJob) -> RunIdentity:

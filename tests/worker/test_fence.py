@@ -187,7 +187,7 @@ def test_a_stale_owner_writes_no_row_after_its_claim_is_superseded(
     name = unique_name("stale-rows")
     job_id = submit(client, sft_body(3, epochs=1, seed=24, output_name=name))
     reached, release = threading.Event(), threading.Event()
-    original = runtime._on_step
+    original = runtime.recording.on_step
 
     def on_step(jid, report):
         if report.global_step == 2 and threading.current_thread().name == "stale-worker":
@@ -195,7 +195,7 @@ def test_a_stale_owner_writes_no_row_after_its_claim_is_superseded(
             assert release.wait(120)
         original(jid, report)
 
-    monkeypatch.setattr(runtime, "_on_step", on_step)
+    monkeypatch.setattr(runtime.recording, "on_step", on_step)
     thread, out = run_in_thread(runtime, job_id, "stale-worker")
     assert reached.wait(120)
     presume_dead(sessions, job_id, runtime.worker_id)

@@ -97,13 +97,13 @@ def test_a_busy_or_freshly_idle_worker_does_not_republish_waiting_jobs(client, r
 def test_run_job_marks_the_worker_busy_then_idle(client, runtime, sessions):
     job_id = submit(client, sft_body(1, output_name=unique_name("idle")))
     seen = {}
-    original = runtime._on_step
+    original = runtime.recording.on_step
 
     def on_step(jid, report):
         seen["idle_since"] = runtime.idle_since
         original(jid, report)
 
-    runtime._on_step = on_step
+    runtime.recording.on_step = on_step
     before = store.utcnow()
     assert runtime.run_job(job_id) == "completed"
     assert seen["idle_since"] is None
@@ -116,20 +116,20 @@ def test_graceful_releases_do_not_use_up_the_delivery_budget(client, runtime, se
     assert settings.training.max_attempts == 3
     name = unique_name("deploys")
     job_id = submit(client, sft_body(4, epochs=1, seed=3, checkpoint_interval=100, output_name=name))
-    original = runtime._on_step
+    original = runtime.recording.on_step
 
     def on_step(jid, report):
         original(jid, report)
         runtime.request_shutdown()
 
-    runtime._on_step = on_step
+    runtime.recording.on_step = on_step
     for release in range(1, 4):
         assert runtime.run_job(job_id) == "requeued"
         job = job_row(sessions, job_id)
         assert job.state == states.QUEUED, (release, job.state, job.failure_reason)
         assert job.resume_checkpoint.endswith(f"step-{release:08d}.kiln-checkpoint")
         runtime.shutdown.clear()
-    runtime._on_step = original
+    runtime.recording.on_step = original
     assert runtime.run_job(job_id) == "completed"
     job = job_row(sessions, job_id)
     assert job.state == states.COMPLETED and job.failure_reason is None
@@ -143,13 +143,13 @@ def test_crash_deliveries_still_exhaust_the_budget_after_graceful_releases(
     """Only graceful releases are forgiven: a job whose worker keeps dying still fails."""
     name = unique_name("poison")
     job_id = submit(client, sft_body(4, epochs=1, seed=3, checkpoint_interval=1, output_name=name))
-    original = runtime._on_step
+    original = runtime.recording.on_step
 
     def release(jid, report):
         original(jid, report)
         runtime.request_shutdown()
 
-    runtime._on_step = release
+    runtime.recording.on_step = release
     assert runtime.run_job(job_id) == "requeued"
     runtime.shutdown.clear()
 
@@ -157,7 +157,7 @@ def test_crash_deliveries_still_exhaust_the_budget_after_graceful_releases(
         original(jid, report)
         raise Killed
 
-    runtime._on_step = die
+    runtime.recording.on_step = die
     outcomes = []
     for _ in range(settings.training.max_attempts):
         with pytest.raises(Killed):
@@ -176,7 +176,7 @@ def test_a_reconciler_killed_before_withdrawing_does_not_doom_the_resume(client,
     it and completes, rather than failing with `already exists` at step 4."""
     name = unique_name("rckill")
     job_id = submit(client, sft_body(3, epochs=2, checkpoint_interval=2, seed=5, output_name=name))
-    original = runtime._on_checkpoint
+    original = runtime.recording.on_checkpoint
 
     def on_checkpoint(jid, record):
         if record["global_step"] == 4:
@@ -187,10 +187,10 @@ def test_a_reconciler_killed_before_withdrawing_does_not_doom_the_resume(client,
             raise Killed  # the worker dies after the rename, before the row
         original(jid, record)
 
-    runtime._on_checkpoint = on_checkpoint
+    runtime.recording.on_checkpoint = on_checkpoint
     with pytest.raises(Killed):
         runtime.run_job(job_id)
-    runtime._on_checkpoint = original
+    runtime.recording.on_checkpoint = original
     runtime.run = None
     expire_lease(sessions, job_id)
 
@@ -228,16 +228,16 @@ def test_a_user_resume_does_not_withdraw_a_later_checkpoint_it_did_not_write(
     # tested in tests/worker/test_resume_auto_plan.py.
     config = {"epochs": 2, "checkpoint_interval": 2, "seed": 5, "grad_checkpoint_segments": 1}
     first = submit(client, sft_body(3, output_name=name, **config))
-    original = runtime._on_step
+    original = runtime.recording.on_step
 
     def on_step(jid, report):
         original(jid, report)
         if report.global_step == 3:  # seen after step 4's write, which is a checkpoint step
             assert client.delete(f"/v1/train/queue/{jid}").status_code == 200
 
-    runtime._on_step = on_step
+    runtime.recording.on_step = on_step
     assert runtime.run_job(first) == "failed"
-    runtime._on_step = original
+    runtime.recording.on_step = original
     step2 = f"{name}-checkpoint-step-00000002.kiln-checkpoint"
     step4 = f"{name}-checkpoint-step-00000004.kiln-checkpoint"
     assert checkpoint_names(settings, name) == [step2, step4]

@@ -35,24 +35,24 @@ def _adapter_sha(settings, name: str) -> str:
 
 
 def _cancel_after(client, runtime, step: int) -> None:
-    original = runtime._on_step
+    original = runtime.recording.on_step
 
     def on_step(jid, report):
         original(jid, report)
         if report.global_step == step:
             assert client.delete(f"/v1/train/queue/{jid}").status_code == 200
 
-    runtime._on_step = on_step
+    runtime.recording.on_step = on_step
 
 
 def _cancelled_run(client, runtime, sessions, settings, name: str) -> tuple[str, str]:
     first = submit(client, sft_body(3, output_name=name, **CONFIG))
     plan = _plan(sessions, first)
     assert plan["auto"] is True and plan["budget_bytes"] > 0
-    original = runtime._on_step
+    original = runtime.recording.on_step
     _cancel_after(client, runtime, 2)
     assert runtime.run_job(first) == "failed"
-    runtime._on_step = original
+    runtime.recording.on_step = original
     assert job_row(sessions, first).failure_reason == "cancelled"
     checkpoint = job_row(sessions, first).latest_checkpoint
     assert checkpoint is not None

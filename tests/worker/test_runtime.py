@@ -110,14 +110,14 @@ def test_cancelled_running_job_stops_at_a_step_boundary_with_a_checkpoint(
 ):
     name = unique_name("cancel")
     job_id = submit(client, sft_body(4, epochs=3, output_name=name))
-    original = runtime._on_step
+    original = runtime.recording.on_step
 
     def on_step(jid, report):
         original(jid, report)
         if report.global_step == 3:
             assert client.delete(f"/v1/train/queue/{jid}").get_json()["status"] == "cancelling"
 
-    runtime._on_step = on_step
+    runtime.recording.on_step = on_step
     assert runtime.run_job(job_id) == "failed"
     job = job_row(sessions, job_id)
     assert job.failure_reason == "cancelled" and job.global_step == 4  # the flag is seen after step 4's write
@@ -137,20 +137,20 @@ def test_worker_shutdown_releases_the_job_and_the_resume_is_bit_exact(
     assert runtime.run_job(straight_id) == "completed"
 
     job_id = submit(client, sft_body(3, output_name=resumed, **config))
-    original = runtime._on_step
+    original = runtime.recording.on_step
 
     def on_step(jid, report):
         original(jid, report)
         if report.global_step == 4:
             runtime.request_shutdown()
 
-    runtime._on_step = on_step
+    runtime.recording.on_step = on_step
     assert runtime.run_job(job_id) == "requeued"
     job = job_row(sessions, job_id)
     assert job.state == states.QUEUED and job.resume_checkpoint.endswith("step-00000004.kiln-checkpoint")
     assert job_id in broker.task_ids()  # republished by the reconciler
 
-    runtime._on_step = original
+    runtime.recording.on_step = original
     runtime.shutdown.clear()
     assert runtime.run_job(job_id) == "completed"
     job = job_row(sessions, job_id)

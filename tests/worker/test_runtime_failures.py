@@ -98,7 +98,7 @@ def test_a_brief_store_outage_while_recording_progress_is_ridden_out(client, run
     """One failed progress write does not fail the job; a write whose commit went through but
     whose answer was lost is not written twice either."""
     job_id = submit(client, sft_body(2, epochs=2, output_name=unique_name("blip")))
-    original = runtime._on_step
+    original = runtime.recording.on_step
 
     def on_step(jid, report):
         if report.global_step == 2:
@@ -107,7 +107,7 @@ def test_a_brief_store_outage_while_recording_progress_is_ridden_out(client, run
             flaky.fail_after = 1  # step 3 commits, the acknowledgement is lost
         original(jid, report)
 
-    runtime._on_step = on_step
+    runtime.recording.on_step = on_step
     assert runtime.run_job(job_id) == "completed"
     job = job_row(sessions, job_id)
     assert job.state == states.COMPLETED and job.global_step == 4
@@ -121,17 +121,17 @@ def test_a_long_store_outage_mid_run_leaves_the_job_to_be_resumed(client, runtim
     from its newest checkpoint once the lease has run out."""
     name = unique_name("outage")
     job_id = submit(client, sft_body(3, epochs=1, checkpoint_interval=1, output_name=name))
-    original = runtime._on_step
+    original = runtime.recording.on_step
 
     def on_step(jid, report):
         if report.global_step == 2:
             flaky.fail_before = len(runtime.db_retry_delays) + 1  # every attempt fails
         original(jid, report)
 
-    runtime._on_step = on_step
+    runtime.recording.on_step = on_step
     with pytest.raises(OperationalError):
         runtime.run_job(job_id)
-    runtime._on_step = original
+    runtime.recording.on_step = original
     job = job_row(sessions, job_id)
     assert job.state == states.RUNNING and job.failure_reason is None and steps(sessions, job_id) == [1]
     expire_lease(sessions, job_id)
@@ -208,7 +208,7 @@ def test_an_expired_lease_under_a_live_worker_is_not_taken_over(
     name = unique_name("alive")
     job_id = submit(client, sft_body(4, epochs=1, checkpoint_interval=2, output_name=name))
     seen: dict = {}
-    original = runtime._on_step
+    original = runtime.recording.on_step
 
     def on_step(jid, report):
         original(jid, report)
@@ -218,7 +218,7 @@ def test_an_expired_lease_under_a_live_worker_is_not_taken_over(
             seen["redelivered"] = second_worker.run_job(jid)
             seen["state"] = job_row(sessions, jid).state
 
-    runtime._on_step = on_step
+    runtime.recording.on_step = on_step
     assert runtime.run_job(job_id) == "completed"
     assert seen["reconciled"]["resumed"] == 0 and seen["reconciled"]["failed"] == 0
     assert seen["redelivered"] == "dropped" and seen["state"] == states.RUNNING
@@ -252,7 +252,7 @@ def test_a_worker_that_lost_its_job_stops_and_publishes_nothing_more(client, run
     the new owner's names and nothing more is recorded."""
     name = unique_name("taken")
     job_id = submit(client, sft_body(4, epochs=1, checkpoint_interval=1, output_name=name))
-    original = runtime._on_step
+    original = runtime.recording.on_step
 
     def on_step(jid, report):
         original(jid, report)
@@ -260,7 +260,7 @@ def test_a_worker_that_lost_its_job_stops_and_publishes_nothing_more(client, run
             with sessions.begin() as s:  # the reconciler gave the job to worker-2
                 s.execute(update(Job).where(Job.id == jid).values(worker_id="worker-2"))
 
-    runtime._on_step = on_step
+    runtime.recording.on_step = on_step
     assert runtime.run_job(job_id) == "lost"
     job = job_row(sessions, job_id)
     assert job.state == states.RUNNING and job.worker_id == "worker-2" and job.failure_reason is None
@@ -276,17 +276,17 @@ def _killed_after_publishing_step_4(client, runtime, name):
     """Submits a six-step job checkpointing every two steps; its first attempt dies once the step-4
     checkpoint stands under its final name, before the store records it."""
     job_id = submit(client, sft_body(3, epochs=2, checkpoint_interval=2, seed=5, output_name=name))
-    original = runtime._on_checkpoint
+    original = runtime.recording.on_checkpoint
 
     def on_checkpoint(jid, record):
         if record["global_step"] == 4:
             raise Killed  # after the rename, before the row
         original(jid, record)
 
-    runtime._on_checkpoint = on_checkpoint
+    runtime.recording.on_checkpoint = on_checkpoint
     with pytest.raises(Killed):
         runtime.run_job(job_id)
-    runtime._on_checkpoint = original
+    runtime.recording.on_checkpoint = original
     return job_id
 
 
@@ -365,17 +365,17 @@ def test_a_recorded_checkpoint_damaged_on_disk_is_skipped_and_rewritten_on_resum
     records that step again instead of failing on the taken name."""
     name = unique_name("ckrot")
     job_id = submit(client, sft_body(3, epochs=3, checkpoint_interval=2, seed=5, output_name=name))
-    original = runtime._on_step
+    original = runtime.recording.on_step
 
     def on_step(jid, report):
         original(jid, report)
         if report.global_step == 5:
             raise Killed
 
-    runtime._on_step = on_step
+    runtime.recording.on_step = on_step
     with pytest.raises(Killed):
         runtime.run_job(job_id)
-    runtime._on_step = original
+    runtime.recording.on_step = original
     step4 = f"{name}-checkpoint-step-00000004.kiln-checkpoint"
     with sessions() as s:
         assert [c.global_step for c in store.list_checkpoints(s, job_id)] == [2, 4]

@@ -46,17 +46,17 @@ def test_the_trainer_honours_a_stop_whose_checkpoint_fails(resident, monkeypatch
 def test_a_warm_shutdown_whose_checkpoint_fails_releases_the_job(client, runtime, sessions, monkeypatch):
     job_id = submit(client, sft_body(3, output_name=unique_name("enospc")))
     monkeypatch.setattr(ckpt, "publish_checkpoint", _enospc)
-    original = runtime._on_step
+    original = runtime.recording.on_step
 
     def on_step(jid, report):
         original(jid, report)
         runtime.request_shutdown()
 
-    runtime._on_step = on_step
+    runtime.recording.on_step = on_step
     try:
         outcome = runtime.run_job(job_id)
     finally:
-        runtime._on_step = original
+        runtime.recording.on_step = original
         runtime.shutdown.clear()
     assert outcome == "requeued"
     job = job_row(sessions, job_id)

@@ -104,18 +104,18 @@ def test_a_warm_shutdown_during_an_evaluation_resumes_into_the_same_history(
 
     name = unique_name("interrupted")
     job_id = submit(client, body(name, validation))
-    real = runtime._on_step
+    real = runtime.recording.on_step
 
     def on_step(jid, report):
         real(jid, report)
         if report.global_step == 2:
             runtime.shutdown.set()  # the stop flag is up when the evaluation at step 2 polls it
 
-    runtime._on_step = on_step
+    runtime.recording.on_step = on_step
     try:
         assert runtime.run_job(job_id) == "requeued"
     finally:
-        runtime._on_step = real
+        runtime.recording.on_step = real
         runtime.shutdown.clear()
     job = job_row(sessions, job_id)
     assert (
