@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from api import schemas
+from api.auth import PUBLIC_PATHS
 from api.datasets import (
     DATASET_NAME_MAX,
     DATASET_NAME_PATTERN,
@@ -47,7 +48,6 @@ from kiln_train.sft_config import SftRequest
 
 OPENAPI_VERSION = "3.1.0"
 REF = "#/components/schemas/{model}"
-PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/metrics"})
 # Event ids are a 32-bit autoincrement on Postgres; a larger cursor is garbage, not a page.
 MAX_EVENT_ID = 2**31 - 1
 
