@@ -11,8 +11,8 @@ import hmac
 from dataclasses import dataclass
 
 from kiln.store import Admission
-from kiln_train.artifacts.digest import json_sha256
 from kiln_train.errors import invalid_request
+from kiln_train.ground.digest import json_sha256
 from kiln_train.sft_config import SftRequest
 
 IDEMPOTENCY_KEY_MAX = 255

@@ -11,10 +11,10 @@ from api.admission_checks import IdempotencyKey
 from api.runner_gate import RunnerTarget, check_training_template
 from api.services import Services
 from kiln.store import new_job_id, states
-from kiln_train.artifacts.digest import json_sha256
 from kiln_train.data.ingestion import IngestionResult, ingest_examples, ingest_jsonl, resolve_dataset_path
 from kiln_train.data.validation import ValidationSet, prepare_validation
 from kiln_train.errors import backend_unsupported
+from kiln_train.ground.digest import json_sha256
 from kiln_train.plan.budget import available_budget
 from kiln_train.plan.memory import Breakdown
 from kiln_train.plan.resume_point import ResumePoint

@@ -39,7 +39,6 @@ from api.runner_gate import check_training_template, runner_target
 from api.schemas import ErrorBody
 from api.services import Services
 from kiln.store import Admission, Job, live_runner, states
-from kiln_train.artifacts.digest import file_digest
 from kiln_train.data.ingestion import (
     RowOutcome,
     apply_invalid_row_policy,
@@ -49,6 +48,7 @@ from kiln_train.data.ingestion import (
 from kiln_train.data.ingestion_receipt import POLICIES
 from kiln_train.data.inspect import row_facts, token_pieces
 from kiln_train.errors import KilnError, invalid_request
+from kiln_train.ground.digest import file_digest
 
 log = logging.getLogger(__name__)
 

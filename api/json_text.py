@@ -5,7 +5,7 @@ tens of milliseconds in which no other thread of the worker (a `/health` probe, 
 can run. A body is an object whose large members are arrays of rows, so `loads` decodes the
 top-level object and its arrays here, member by member and element by element, and the C
 decoder gets one row at a time; it gives exactly what the one-call form gives. The canonical
-digest of a body (`kiln_train.artifacts.digest.json_sha256`) is hashed in the same steps.
+digest of a body (`kiln_train.ground.digest.json_sha256`) is hashed in the same steps.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from kiln.store import Runner
 from kiln_train.data.chat_template import training_template
 from kiln_train.errors import backend_unsupported
+from kiln_train.ground.backend import backend_for_device
 from kiln_train.model.config import parse_config
-from kiln_train.plan.backend import backend_for_device
 from kiln_train.plan.formulas import ESTIMATED_ROUTES
 from kiln_train.plan.gates import TrainingTarget, sft_optimizer_kinds
 from kiln_train.plan.optimizer_support import native_training_unavailable_reason

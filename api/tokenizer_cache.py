@@ -15,8 +15,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from kiln_train.artifacts.digest import file_digest
 from kiln_train.errors import backend_unsupported
+from kiln_train.ground.digest import file_digest
 
 TOKENIZER_FILE = "tokenizer.json"
 

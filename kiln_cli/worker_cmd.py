@@ -53,8 +53,8 @@ def run_worker(settings) -> None:
     from celery import signals
 
     from kiln_train.errors import KilnError
-    from kiln_train.model.resident import load_resident, missing_device
     from kiln_train.plan.budget import apply_cpu_allocator_policy
+    from kiln_train.train.resident import load_resident, missing_device
     from kiln_train.train.warmup import warm_up
     from worker.celery_app import make_celery
     from worker.runtime import WorkerRuntime

@@ -16,7 +16,7 @@ _EXPORTS = {
     "finetune": "kiln_train.train.finetune",
     "KilnError": "kiln_train.errors",
     "StepReport": "kiln_train.train.result",
-    "load_resident": "kiln_train.model.resident",
+    "load_resident": "kiln_train.train.resident",
     "load_model": "kiln_train.model",
     "Qwen35Model": "kiln_train.model",
     "attach_lora": "kiln_train.model",

@@ -26,7 +26,7 @@ from pydantic import (
 )
 
 from kiln_train.errors import invalid_request
-from kiln_train.model.config import MAX_DIMENSION, MAX_LAYERS
+from kiln_train.ground.limits import MAX_DIMENSION, MAX_LAYERS
 
 log = logging.getLogger(__name__)
 

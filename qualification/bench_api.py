@@ -81,7 +81,7 @@ def database(backend: str, workdir: Path):
 
 
 def runner_row(model_dir: Path) -> dict:
-    from kiln_train.model.resident import load_resident
+    from kiln_train.train.resident import load_resident
     from worker.runner import runner_registration
 
     kwargs = runner_registration(load_resident(model_dir))

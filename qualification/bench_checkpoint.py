@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import save
 
-from kiln_train.artifacts.digest import json_sha256, sha256_prefixed
 from kiln_train.artifacts.provenance import shard_aggregate
 from kiln_train.checkpoint import (
     ADAPTER_FILE,
@@ -35,9 +34,10 @@ from kiln_train.checkpoint import (
     publish_checkpoint,
     sft_manifest_draft,
 )
+from kiln_train.ground.backend import backend_for_device
+from kiln_train.ground.digest import json_sha256, sha256_prefixed
 from kiln_train.model.config import parse_config
 from kiln_train.model.tiny import text_config
-from kiln_train.plan.backend import backend_for_device
 from kiln_train.sft_config import parse_sft_config
 
 ITEMS = 200

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from kiln_train.checkpoint import load_checkpoint  # noqa: E402
 from kiln_train.data.ingestion import ingest_examples  # noqa: E402
-from kiln_train.model.resident import load_resident  # noqa: E402
+from kiln_train.train.resident import load_resident  # noqa: E402
 from qualification.bench_support import lora_config, train_on_resident, write_bench_checkpoint  # noqa: E402
 
 OPTIMIZERS = {"sgd": 1e-4, "adam_w": 1e-4, "muon": 1e-3}

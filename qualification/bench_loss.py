@@ -150,8 +150,8 @@ def run_child(model_dir: str, route: str, seq_len: int, steps: int) -> dict:
 
 
 def dense_logits_bytes(model_dir: str, seq_len: int) -> int:
+    from kiln_train.ground.backend import backend_for_device
     from kiln_train.model.config import load_config
-    from kiln_train.plan.backend import backend_for_device
     from kiln_train.plan.formulas import loss_workspace_bytes
 
     config = load_config(model_dir)

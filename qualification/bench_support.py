@@ -11,10 +11,10 @@ from pathlib import Path
 
 from kiln_train.data.ingestion import IngestionResult
 from kiln_train.data.tokenizer import build_tokenizer
-from kiln_train.model.resident import ResidentModel
 from kiln_train.model.tiny import write_tiny_checkpoint
 from kiln_train.sft_config import SftConfig, parse_sft_config
 from kiln_train.train.request import TrainRequest
+from kiln_train.train.resident import ResidentModel
 from kiln_train.train.result import TrainResult
 from kiln_train.train.trainer import train_sft
 

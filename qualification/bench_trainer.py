@@ -104,7 +104,7 @@ def run_ours(args, rows) -> dict:
     import torch
 
     from kiln_train.data.ingestion import ingest_examples
-    from kiln_train.model.resident import load_resident
+    from kiln_train.train.resident import load_resident
     from qualification.bench_support import lora_config, require_success, train_on_resident
 
     resident = load_resident(args.model_dir)
@@ -139,7 +139,7 @@ def run_theirs(args, rows) -> dict:
 
     from kiln_train.data.ingestion import ingest_examples
     from kiln_train.model.config import LORA_TARGET_MODULES
-    from kiln_train.model.resident import load_resident
+    from kiln_train.train.resident import load_resident
 
     # The same admitted rows: the tokenizer and template are loaded the way the trainer loads them.
     resident = load_resident(args.model_dir)

@@ -40,8 +40,8 @@ def measure(model_dir: str, length: int, *, steps: int, validation_rows: int, ra
     from kiln_train.data.ingestion import ingest_examples
     from kiln_train.data.tokenizer import load_tokenizer
     from kiln_train.data.validation import prepare_validation
-    from kiln_train.model.resident import load_resident
     from kiln_train.sft_config import ValidationSpec
+    from kiln_train.train.resident import load_resident
     from qualification.bench_support import lora_config, require_success, train_on_resident
 
     tokenizer = load_tokenizer(model_dir)

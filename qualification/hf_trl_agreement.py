@@ -34,9 +34,9 @@ from kiln_train.data.ingestion import ingest_examples  # noqa: E402
 from kiln_train.data.tokenizer import build_tokenizer  # noqa: E402
 from kiln_train.interop.bundle import ResidentFacts  # noqa: E402
 from kiln_train.interop.export import export_sft  # noqa: E402
-from kiln_train.model.resident import load_resident  # noqa: E402
 from kiln_train.model.tiny import write_tiny_checkpoint  # noqa: E402
 from kiln_train.sft_config import parse_sft_config  # noqa: E402
+from kiln_train.train.resident import load_resident  # noqa: E402
 
 LEARNING_RATES = {"sgd": 0.05, "adam_w": 1e-3}
 COLORS = ["red", "blue", "green", "gold", "teal", "pink", "gray", "navy"]

@@ -253,8 +253,8 @@ def run_child(model_dir: str, device_name: str, case: Case) -> dict:
 
 
 def estimate_case(model_dir: str, device_name: str, case: Case):
+    from kiln_train.ground.backend import backend_for_device
     from kiln_train.model.config import load_config
-    from kiln_train.plan.backend import backend_for_device
     from kiln_train.plan.memory import estimate, forward_estimate
 
     if case.phase == "validation":

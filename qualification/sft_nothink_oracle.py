@@ -31,9 +31,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kiln_train.artifacts.digest import file_sha256_hex  # noqa: E402
 from kiln_train.data.chat_template import NOTHINK_TEMPLATE_FILE, training_chat_template_sha256  # noqa: E402
 from kiln_train.data.tokenizer import build_tokenizer, write_tokenizer  # noqa: E402
+from kiln_train.ground.digest import file_sha256_hex  # noqa: E402
 from qualification.sft_oracle.stack import library_versions, oracle_input, run_kiln, run_oracle  # noqa: E402
 
 FIXTURES = REPO / "qualification" / "fixtures"

@@ -31,9 +31,9 @@ from kiln.broker import publish_job
 from kiln.store import states
 from kiln_train import checkpoint as ckpt
 from kiln_train.artifacts.adapter import ADAPTER_MODEL, TRAIN_RECEIPT
-from kiln_train.artifacts.digest import file_digest
 from kiln_train.artifacts.fencing import RunIdentity, rehome
 from kiln_train.errors import KilnError
+from kiln_train.ground.digest import file_digest
 
 log = logging.getLogger(__name__)
 

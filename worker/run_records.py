@@ -23,9 +23,9 @@ from kiln import store
 from kiln.store import states
 from kiln.store.errors import STORE_UNREACHABLE
 from kiln_train.artifacts.adapter import ADAPTER_MODEL
-from kiln_train.artifacts.digest import file_digest
 from kiln_train.artifacts.fencing import take_back
 from kiln_train.errors import OwnershipLost
+from kiln_train.ground.digest import file_digest
 from kiln_train.train.evaluation import Evaluation
 from kiln_train.train.result import StepReport, TrainResult
 from worker.fence import JobFence

@@ -10,9 +10,9 @@ import os
 import socket
 from pathlib import Path
 
-from kiln_train.model.resident import ResidentModel
 from kiln_train.plan.budget import device_memory
 from kiln_train.plan.optimizer_support import optimizer_support_report
+from kiln_train.train.resident import ResidentModel
 
 
 def heartbeat_file(settings) -> Path:

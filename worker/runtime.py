@@ -31,9 +31,9 @@ from kiln.store.errors import STORE_UNREACHABLE
 from kiln_train import checkpoint as ckpt
 from kiln_train.artifacts.fencing import RunIdentity, grab_leftover
 from kiln_train.errors import KilnError, OwnershipLost
-from kiln_train.model.resident import ResidentModel
 from kiln_train.plan.budget import available_budget, device_memory
 from kiln_train.train.request import TrainRequest
+from kiln_train.train.resident import ResidentModel
 from kiln_train.train.result import TrainResult
 from kiln_train.train.trainer import train_sft
 from worker.fence import JobFence

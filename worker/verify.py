@@ -17,13 +17,13 @@ from sqlalchemy.orm import Session
 from kiln import store
 from kiln.settings import Settings
 from kiln_train import checkpoint as ckpt
-from kiln_train.artifacts.digest import json_sha256
 from kiln_train.data.ingestion import IngestionResult, ingest_examples, ingest_jsonl, resolve_dataset_path
 from kiln_train.data.validation import ValidationSet, prepare_validation
 from kiln_train.errors import KilnError
-from kiln_train.model.resident import ResidentModel
+from kiln_train.ground.digest import json_sha256
 from kiln_train.plan.optimizer_support import check_optimizer_tuple
 from kiln_train.sft_config import SftConfig, ValidationSpec, parse_sft_config
+from kiln_train.train.resident import ResidentModel
 
 PLAN_DRIFT = "plan_drift"
 PLAN_DRIFT_CODE = "training_plan_drift"

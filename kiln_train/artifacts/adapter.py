@@ -17,11 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kiln_train.artifacts.adapter_layout import ADAPTER_CONFIG, ADAPTER_MANIFEST, ADAPTER_MODEL, TRAIN_RECEIPT
-from kiln_train.artifacts.digest import file_digest, sha256_prefixed
 from kiln_train.artifacts.fencing import Fence, fenced_rename, grab_leftover, put_back
 from kiln_train.artifacts.receipt import NULL_ADAPTER_IDENTITY
-from kiln_train.checkpoint.fs import fsync_dir, rename_no_replace, write_new_file
 from kiln_train.errors import ADAPTER_ALREADY_EXISTS, INVALID_ADAPTER_NAME, KilnError, TrainingFailure
+from kiln_train.ground.digest import file_digest, sha256_prefixed
+from kiln_train.ground.durable_files import fsync_dir, rename_no_replace, write_new_file
 from kiln_train.model.config import LORA_TARGET_MODULES, Qwen35Config
 
 PEFT_PREFIX = "base_model.model.model."

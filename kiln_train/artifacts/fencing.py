@@ -22,12 +22,9 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from kiln_train.errors import OwnershipLost
-
-if TYPE_CHECKING:
-    from kiln_train.checkpoint.manifest import CheckpointManifest
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +38,11 @@ class Fence(Protocol):
     def check(self) -> None:
         """Raise `OwnershipLost` unless this run still owns its job (and keep owning it a while)."""
 
-    def leftover_checkpoint(self, basename: str, manifest: CheckpointManifest) -> bool:
+    def leftover_checkpoint(self, basename: str, manifest) -> bool:
         """Whether a checkpoint under a name this run publishes was left by a stale run of this
-        job (it may then be adopted or withdrawn); anything else is never overwritten."""
+        job (it may then be adopted or withdrawn); anything else is never overwritten. `manifest`
+        is the leftover's `kiln_train.checkpoint.CheckpointManifest` (that folder stands above
+        this one, so the type is not imported here)."""
 
     def leftover_adapter(self, receipt: dict) -> bool:
         """Whether the adapter holding this run's name was published by a stale run of this job
@@ -77,7 +76,7 @@ def grab(path: Path) -> Path | None:
 def put_back(hidden: Path, path: Path) -> bool:
     """Rename a grabbed directory back under its name (never over something else)."""
     # Imported here: the checkpoint package publishes through this module.
-    from kiln_train.checkpoint.fs import rename_no_replace
+    from kiln_train.ground.durable_files import rename_no_replace
 
     try:
         rename_no_replace(hidden, path)
@@ -149,7 +148,8 @@ class RunIdentity:
     corpus_sha256: str
     total_steps: int
 
-    def wrote_checkpoint(self, manifest: CheckpointManifest) -> bool:
+    def wrote_checkpoint(self, manifest) -> bool:
+        """Whether this job's run wrote the checkpoint whose `CheckpointManifest` this is."""
         return (
             manifest.training_kind == "sft"
             and manifest.adapter_name == self.adapter_name

@@ -15,9 +15,9 @@ from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
-from kiln_train.artifacts.digest import file_digest, json_sha256, sha256_prefixed
 from kiln_train.data.chat_template import CHAT_TEMPLATE_FILE
 from kiln_train.data.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from kiln_train.ground.digest import file_digest, json_sha256, sha256_prefixed
 from kiln_train.model.config import CONFIG_FILE
 
 BASE_WEIGHT_SHARDS = "kiln.base-weight-shards.v1"

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kiln_train.artifacts.adapter_layout import ADAPTER_CONFIG, ADAPTER_MODEL, TRAIN_RECEIPT
-from kiln_train.artifacts.digest import utc_now_rfc3339
 from kiln_train.errors import FAILURE_REASONS
+from kiln_train.ground.digest import utc_now_rfc3339
 from kiln_train.model.config import ATTENTION_TARGETS, GDN_TARGETS, MLP_TARGETS
 
 RECEIPT_TYPE = "kiln_train_receipt"

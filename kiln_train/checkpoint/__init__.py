@@ -56,7 +56,7 @@ from kiln_train.checkpoint.manifest import (
     parse_manifest_bytes,
 )
 from kiln_train.checkpoint.publish import PublishedCheckpoint, publish_checkpoint
-from kiln_train.checkpoint.resume import (
+from kiln_train.checkpoint.resume_expectation import (
     ResumeExpectation,
     checkpoint_lineage,
     compare_for_resume,

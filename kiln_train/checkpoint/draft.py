@@ -14,7 +14,6 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kiln_train.artifacts.digest import utc_now_rfc3339
 from kiln_train.checkpoint.epoch_order import EPOCH_ORDER_ALGORITHM
 from kiln_train.checkpoint.errors import CheckpointError
 from kiln_train.checkpoint.manifest import (
@@ -42,6 +41,7 @@ from kiln_train.checkpoint.manifest import (
     describe_model_error,
     strip_sha256_prefix,
 )
+from kiln_train.ground.digest import utc_now_rfc3339
 from kiln_train.sft_config import TRAINING_PROFILE, SftConfig
 
 

@@ -1,15 +1,14 @@
-"""Filesystem primitives for checkpoints: tree listing, file hashing, fsync, no-replace rename.
+"""Reading checkpoint files safely: tree listing, size-capped reads and hashing of regular files.
 
 Every checkpoint file must be a regular, non-symlink file with exactly one link
 (docs/checkpoints.md#publication): a symlink or a hard link could let another path change a
 checkpoint after its digest was taken. Files are opened with `O_NOFOLLOW` and checked with `fstat`
-on the same descriptor, so a swap between check and read is caught. Linux/POSIX.
+on the same descriptor, so a swap between check and read is caught. Linux/POSIX. Writing files
+durably and renaming without replacing are `kiln_train/ground/durable_files.py`.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import hashlib
 import os
@@ -19,8 +18,6 @@ from pathlib import Path
 from kiln_train.checkpoint.errors import CheckpointError
 
 _CHUNK = 1 << 20
-_RENAME_NOREPLACE = 1
-_AT_FDCWD = -100
 
 
 def list_tree(root: Path, what: str) -> list[str]:
@@ -97,76 +94,3 @@ def hash_regular_file(path: Path, rel: str, what: str) -> tuple[int, str]:
     finally:
         os.close(fd)
     return size, digest.hexdigest()
-
-
-def write_new_file(path: Path, data: bytes) -> None:
-    """Create `path` (never overwriting, never through a symlink), write `data`, fsync."""
-    fd = os.open(
-        path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644
-    )
-    try:
-        view = memoryview(data)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_file(path: Path) -> None:
-    _fsync(path, os.O_RDONLY | os.O_NOFOLLOW)
-
-
-def fsync_dir(path: Path) -> None:
-    _fsync(path, os.O_RDONLY | os.O_DIRECTORY)
-
-
-def _fsync(path: Path, flags: int) -> None:
-    fd = os.open(path, flags)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: Path) -> None:
-    """fsync every directory under `root`, deepest first, then `root` itself."""
-    dirs = [Path(d) for d, _, _ in os.walk(root)]
-    for directory in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
-        fsync_dir(directory)
-
-
-def _libc_renameat2():
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    libc = ctypes.CDLL(name, use_errno=True)
-    fn = getattr(libc, "renameat2", None)
-    if fn is not None:
-        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-        fn.restype = ctypes.c_int
-    return fn
-
-
-_RENAMEAT2 = _libc_renameat2()
-
-
-def rename_no_replace(source: Path, target: Path) -> None:
-    """Atomically rename `source` to `target`, failing if `target` exists (even an empty dir).
-
-    Uses renameat2(RENAME_NOREPLACE) where the kernel and filesystem support it; elsewhere falls
-    back to an existence check followed by rename(2) (which still refuses a non-empty target).
-    """
-    if _RENAMEAT2 is not None:
-        rc = _RENAMEAT2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), _RENAME_NOREPLACE)
-        if rc == 0:
-            return
-        err = ctypes.get_errno()
-        if err == errno.EEXIST:
-            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(target))
-        if err not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
-            raise OSError(err, os.strerror(err), str(source))
-    if os.path.lexists(target):
-        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(target))
-    os.rename(source, target)

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln_train.artifacts.adapter_layout import ADAPTER_CONFIG, ADAPTER_MODEL
-from kiln_train.artifacts.digest import sha256_hex
 from kiln_train.checkpoint import fs
 from kiln_train.checkpoint.errors import CheckpointError
 from kiln_train.checkpoint.loop_state import SftLoopState, check_loop_state_progress, parse_loop_state
@@ -34,6 +33,7 @@ from kiln_train.checkpoint.manifest import (
     parse_manifest_bytes,
 )
 from kiln_train.checkpoint.rules import validate_manifest
+from kiln_train.ground.digest import sha256_hex
 
 PEFT_MARKERS = (ADAPTER_CONFIG, ADAPTER_MODEL)
 PEFT_MESSAGE = "PEFT adapter snapshots are not resumable checkpoints"

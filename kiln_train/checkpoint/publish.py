@@ -35,7 +35,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln_train.artifacts.digest import sha256_hex
 from kiln_train.artifacts.fencing import Fence, adopt_files, fenced_rename, grab_leftover, put_back
 from kiln_train.checkpoint import fs
 from kiln_train.checkpoint.draft import ManifestDraft
@@ -52,6 +51,8 @@ from kiln_train.checkpoint.manifest import (
     parse_manifest_bytes,
 )
 from kiln_train.checkpoint.rules import check_relpath, validate_manifest
+from kiln_train.ground import durable_files
+from kiln_train.ground.digest import sha256_hex
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +115,8 @@ def create_staging(registry_dir: Path, basename: str) -> Path:
 
 
 def write_sentinel(staging: Path, checkpoint_id: str) -> None:
-    fs.write_new_file(staging / SENTINEL_FILENAME, f"{checkpoint_id}\n".encode("ascii"))
-    fs.fsync_dir(staging)
+    durable_files.write_new_file(staging / SENTINEL_FILENAME, f"{checkpoint_id}\n".encode("ascii"))
+    durable_files.fsync_dir(staging)
 
 
 def write_artifacts(staging: Path, artifacts: Mapping[str, Artifact]) -> None:
@@ -123,12 +124,12 @@ def write_artifacts(staging: Path, artifacts: Mapping[str, Artifact]) -> None:
         path = staging / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         if isinstance(artifact, bytes | bytearray | memoryview):
-            fs.write_new_file(path, bytes(artifact))
+            durable_files.write_new_file(path, bytes(artifact))
         elif callable(artifact):
             artifact(path)
             if not path.is_file() or path.is_symlink():
                 raise CheckpointError(f"artifacts[{rel!r}]: the writer did not create a regular file")
-            fs.fsync_file(path)
+            durable_files.fsync_file(path)
         else:
             raise CheckpointError(f"artifacts[{rel!r}]: expected bytes or a writer callable")
 
@@ -170,19 +171,19 @@ def build_manifest(draft: ManifestDraft, files: dict[str, FileRecord]) -> tuple[
 
 
 def write_manifest(staging: Path, data: bytes, artifacts: Mapping[str, Artifact]) -> None:
-    fs.write_new_file(staging / MANIFEST_FILENAME, data)
+    durable_files.write_new_file(staging / MANIFEST_FILENAME, data)
     for rel in artifacts:
-        fs.fsync_file(staging / rel)
+        durable_files.fsync_file(staging / rel)
 
 
 def remove_sentinel(staging: Path) -> None:
     (staging / SENTINEL_FILENAME).unlink()
-    fs.fsync_tree(staging)
+    durable_files.fsync_tree(staging)
 
 
 def rename_into_place(staging: Path, target: Path) -> None:
     try:
-        fs.rename_no_replace(staging, target)
+        durable_files.rename_no_replace(staging, target)
     except FileExistsError:
         raise CheckpointError(
             f"checkpoint {target.name!r} already exists; checkpoint names are never overwritten"
@@ -190,7 +191,7 @@ def rename_into_place(staging: Path, target: Path) -> None:
 
 
 def sync_parent(registry_dir: Path) -> None:
-    fs.fsync_dir(registry_dir)
+    durable_files.fsync_dir(registry_dir)
 
 
 # ----- leftovers of a stale run of the same job -------------------------------------------------
@@ -268,7 +269,7 @@ def _settle_leftover(
     staging = create_staging(registry_dir, target.name)
     try:
         adopt_files(hidden, staging)
-        fs.fsync_tree(staging)
+        durable_files.fsync_tree(staging)
         fenced_rename(staging, target, fence, rename_into_place)
     except Exception:
         shutil.rmtree(staging, ignore_errors=True)

@@ -41,7 +41,7 @@ from kiln_train.checkpoint.manifest import (
     check_identifier,
     checkpoint_id_for,
 )
-from kiln_train.plan.backend import SFT_LOSS_ROUTES
+from kiln_train.ground.backend import SFT_LOSS_ROUTES
 from kiln_train.sft_config import SftConfig, describe_validation_error
 
 

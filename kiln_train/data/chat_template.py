@@ -32,9 +32,9 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from kiln_train.artifacts.digest import text_sha256_hex
 from kiln_train.data.tokenizer import TOKENIZER_CONFIG_FILE
 from kiln_train.errors import TRAINING_BACKEND_UNSUPPORTED, KilnError, backend_unsupported
+from kiln_train.ground.digest import text_sha256_hex
 
 # A model directory's own template, beside its tokenizer files.
 CHAT_TEMPLATE_FILE = "chat_template.jinja"

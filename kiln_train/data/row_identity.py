@@ -25,7 +25,7 @@ import hashlib
 import json
 import re
 
-from kiln_train.artifacts.digest import DIGEST_PREFIX
+from kiln_train.ground.digest import DIGEST_PREFIX
 
 PARSED_ROW_DOMAIN = b"kiln.sft-parsed-row.v1"
 RAW_ROW_DOMAIN = b"kiln.sft-raw-row.v1"

@@ -39,13 +39,13 @@ from importlib import resources
 from pathlib import Path
 
 from kiln_train.artifacts.adapter import ADAPTER_CONFIG, ADAPTER_MODEL, adapter_config
-from kiln_train.artifacts.digest import json_sha256, sha256_prefixed
 from kiln_train.checkpoint.epoch_order import EPOCH_ORDER_ALGORITHM
-from kiln_train.checkpoint.fs import fsync_dir, fsync_tree, rename_no_replace, write_new_file
 from kiln_train.data.chat_template import TRAINING_TEMPLATE_FILE
 from kiln_train.data.ingestion import IngestionResult
 from kiln_train.data.labels import MASK_CONTRACT
 from kiln_train.errors import invalid_request
+from kiln_train.ground.digest import json_sha256, sha256_prefixed
+from kiln_train.ground.durable_files import fsync_dir, fsync_tree, rename_no_replace, write_new_file
 from kiln_train.interop import safetensors_io
 from kiln_train.interop.bundle_fidelity import profile_fidelity
 from kiln_train.interop.bundle_rows import step_orders, train_lines
@@ -143,7 +143,7 @@ class ResidentFacts:
 
     @classmethod
     def of_resident(cls, resident) -> ResidentFacts:
-        """The facts of a loaded `kiln_train.model.resident.ResidentModel` (a library caller's)."""
+        """The facts of a loaded `kiln_train.train.resident.ResidentModel` (a library caller's)."""
         return cls(
             model_dir=Path(resident.model_dir),
             model=resident.config,

@@ -21,10 +21,10 @@ from kiln_train.artifacts.adapter import (
     check_adapter_provenance,
     check_base_adapter_files,
 )
-from kiln_train.artifacts.digest import file_digest
 from kiln_train.data.chat_template import training_template
 from kiln_train.data.ingestion import IngestionResult, ingest_examples, ingest_jsonl
 from kiln_train.errors import TrainingFailure, invalid_request
+from kiln_train.ground.digest import file_digest
 from kiln_train.interop import bundle as bundle_mod
 from kiln_train.interop import safetensors_io
 from kiln_train.interop.bundle import InitialAdapter, ResidentFacts

@@ -51,10 +51,10 @@ from kiln_train.artifacts.adapter import (
     check_adapter_name,
     parse_key,
 )
-from kiln_train.artifacts.digest import sha256_prefixed
 from kiln_train.artifacts.receipt import ADAPTER_MANIFEST_TYPE, manifest_layout
-from kiln_train.checkpoint.fs import fsync_dir, rename_no_replace, write_new_file
 from kiln_train.errors import ADAPTER_ALREADY_EXISTS, KilnError
+from kiln_train.ground.digest import sha256_prefixed
+from kiln_train.ground.durable_files import fsync_dir, rename_no_replace, write_new_file
 from kiln_train.interop import safetensors_io
 from kiln_train.interop.bundle import MANIFEST, ResidentFacts
 from kiln_train.interop.errors import import_invalid

@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable
 
 from kiln_train.artifacts.adapter import ADAPTER_CONFIG, ADAPTER_MODEL
-from kiln_train.artifacts.digest import sha256_prefixed
+from kiln_train.ground.digest import sha256_prefixed
 from kiln_train.interop.bundle import EXPORT_SCHEMA, MANIFEST, RUNNER_FILE, ResidentFacts, manifest_digest
 from kiln_train.interop.errors import import_invalid, import_mismatch
 from kiln_train.interop.peft_upload import RESULT_FILE, Upload

@@ -15,14 +15,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from kiln_train.plan.formulas import segment_layer_ranges
-
-
-def segment_bounds(num_layers: int, num_segments: int) -> list[tuple[int, int]]:
-    """[start, stop) layer ranges of each segment, in order."""
-    if not isinstance(num_segments, int) or not 1 <= num_segments <= num_layers:
-        raise ValueError(f"num_segments must be an integer in 1..={num_layers}, got {num_segments!r}")
-    return segment_layer_ranges(num_layers, num_segments)
+from kiln_train.ground.layer_segments import segment_bounds
 
 
 def _run_range(layers: Sequence[nn.Module], h: torch.Tensor, rope) -> torch.Tensor:

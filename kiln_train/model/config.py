@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kiln_train.errors import backend_unsupported
+from kiln_train.ground.limits import MAX_DIMENSION, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB_SIZE
 
 CONFIG_FILE = "config.json"
 FULL_ATTENTION = "full_attention"
@@ -213,13 +214,7 @@ DEFAULT_FULL_ATTENTION_INTERVAL = 4
 PLAIN_ROPE_TYPES = ("default", "mrope")
 
 
-# Sanity ceilings, far above any real Qwen3.5 (vocab 248320, hidden 5120, 64 layers): a config beyond
-# them is corrupt, and refusing it here keeps a vocab of 10**12 or 10**7 layers from reaching the
-# model constructor (a MemoryError, an overflow TypeError or minutes of building meta modules).
-MAX_VOCAB_SIZE = 1 << 24
-MAX_DIMENSION = 1 << 20
-MAX_LAYERS = 1024
-MAX_POSITIONS = 2**31 - 1
+# Sanity ceilings (kiln_train/ground/limits.py): a config beyond them is corrupt.
 FIELD_MAXIMA = {
     "vocab_size": MAX_VOCAB_SIZE,
     "num_hidden_layers": MAX_LAYERS,

@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from kiln_train.errors import TRAINING_BACKEND_UNSUPPORTED, KilnError
+from kiln_train.ground.backend import backend_for_device
 from kiln_train.model.config import Qwen35Config, load_config, stated_tie
 from kiln_train.model.qwen35 import Qwen35Model
-from kiln_train.plan.backend import backend_for_device
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -2,9 +2,9 @@
 
 `build_optimizer(kind, params, lr, **settings)` builds the optimizer of one kind over named
 trainable leaves; `settings` are that optimizer's keyword arguments (AdamW: beta1, beta2, eps,
-weight_decay; Muon: momentum, nesterov, ns_iters, weight_decay; SGD: none). The package knows
-nothing of the training request: the trainer turns a request's optimizer object into these
-arguments. See `base.py` for the step and state contract and `state.py` for the state layout.
+weight_decay; Muon: momentum, nesterov, ns_iters, weight_decay; SGD: none). Only
+`request_optimizer.py` reads the training request: it turns a request's optimizer object into
+these arguments. See `base.py` for the step and state contract and `state.py` for the state layout.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import math
 import os
 from pathlib import Path
 
-from kiln_train.plan.backend import Backend
+from kiln_train.ground.backend import Backend
 from kiln_train.plan.memory import GIB
 
 

@@ -8,8 +8,9 @@ real steps against the result.
 from __future__ import annotations
 
 from kiln_train.errors import invalid_request
+from kiln_train.ground.backend import FULL_LOGITS, KT_TAPE_FLCE
+from kiln_train.ground.layer_segments import segment_layer_ranges
 from kiln_train.model.config import FULL_ATTENTION, Qwen35Config
-from kiln_train.plan.backend import FULL_LOGITS, KT_TAPE_FLCE
 
 MIB = 1 << 20
 F32 = 4
@@ -124,18 +125,6 @@ def layer_activation_bytes(config: Qwen35Config, t: int, r: int, e: int) -> list
         attention_layer_bytes(config, t, r, e) if kind == FULL_ATTENTION else gdn_layer_bytes(config, t, r, e)
         for kind in config.layer_types
     ]
-
-
-def segment_layer_ranges(num_layers: int, num_segments: int) -> list[tuple[int, int]]:
-    """[start, stop) layers of each checkpoint segment, the cut `kiln_train.model.checkpointing`
-    runs (numpy.array_split sizes, the first L mod S segments one layer longer); torch-free."""
-    size, extra = divmod(num_layers, num_segments)
-    bounds, start = [], 0
-    for s in range(num_segments):
-        stop = start + size + (1 if s < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
 
 
 def checkpoint_boundary_policy() -> dict:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from kiln_train.artifacts.adapter import check_base_adapter_files
 from kiln_train.errors import TrainingFailure, backend_unsupported, invalid_request
+from kiln_train.ground.backend import Backend
 from kiln_train.model.config import Qwen35Config
-from kiln_train.plan.backend import Backend
 from kiln_train.plan.optimizer_support import (
     check_optimizer_tuple,
     native_training_unavailable_reason,

@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import TypedDict
 
+from kiln_train.ground.backend import Backend
 from kiln_train.model.config import Qwen35Config
-from kiln_train.plan.backend import Backend
 from kiln_train.plan.formulas import (
     F32,
     boundary_bytes,

@@ -17,8 +17,8 @@ uses `check_optimizer_tuple` as its static gate; the worker repeats the gate at 
 from __future__ import annotations
 
 from kiln_train.errors import invalid_request
+from kiln_train.ground.backend import NATIVE_DEVICE_HOOK, PORTABLE_REFERENCE, Backend
 from kiln_train.model.config import Qwen35Config
-from kiln_train.plan.backend import NATIVE_DEVICE_HOOK, PORTABLE_REFERENCE, Backend
 
 SCHEMA = {"id": "kiln.training-optimizer-support", "version": 1}
 ROUND_TO_NEAREST = "round_to_nearest"

@@ -5,7 +5,7 @@ advice of what to change. Torch-free.
 from __future__ import annotations
 
 from kiln_train.errors import TRAINING_WILL_NOT_FIT, KilnError
-from kiln_train.plan.backend import FULL_LOGITS
+from kiln_train.ground.backend import FULL_LOGITS
 from kiln_train.plan.memory import GIB, Breakdown, saturate
 
 

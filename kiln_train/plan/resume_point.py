@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln_train.checkpoint import VALIDATION_AUX_KEY, CheckpointManifest, load_checkpoint, seed_for_resume
-from kiln_train.checkpoint.resume import RESUME_IGNORED_CONFIG_FIELDS, first_difference
+from kiln_train.checkpoint.resume_expectation import RESUME_IGNORED_CONFIG_FIELDS, first_difference
 from kiln_train.errors import KilnError, invalid_request
 from kiln_train.plan.names import NAME_MAX_BYTES
 from kiln_train.sft_config import SftConfig

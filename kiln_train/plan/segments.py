@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Unpack
 
 from kiln_train.errors import invalid_request
+from kiln_train.ground.backend import FULL_LOGITS, Backend
 from kiln_train.model.config import Qwen35Config
-from kiln_train.plan.backend import FULL_LOGITS, Backend
 from kiln_train.plan.memory import Breakdown, Pricing, estimate, forward_estimate
 from kiln_train.plan.optimizer_support import rank_range
 from kiln_train.plan.refusal import validation_will_not_fit, will_not_fit

@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kiln_train.artifacts.digest import file_sha256_hex
+from kiln_train.ground.digest import file_sha256_hex
 
 RECEIPT_SCHEMA = "kiln.qualification-receipt.v1"
 WORKLOAD_SCHEMA = "kiln.qualification-workload.v1"
@@ -86,7 +86,7 @@ def check_fixture_contract(workload: dict, fixture_path: Path) -> tuple[dict | N
 
 def fixture_problems(workload: dict, fixture: dict) -> list[str]:
     """Every way `fixture` departs from the workload's contract (empty when it conforms)."""
-    from kiln_train.optim.oracle import FIELDS, FIXTURE_SCHEMA
+    from kiln_train.qualify.adamw_oracle import FIELDS, FIXTURE_SCHEMA
 
     out: list[str] = []
     if fixture.get("schema") != FIXTURE_SCHEMA:
@@ -187,7 +187,7 @@ def _regime_problems(case: dict, spec: dict) -> list[str]:
     """Low-gradient cases must be epsilon-dominated at every lane and step; ordinary ones must not."""
     import torch
 
-    from kiln_train.optim.oracle import decode_lanes
+    from kiln_train.qualify.adamw_oracle import decode_lanes
 
     hp, dtype = case["hyperparameters"], case["dtype"]
     shapes = {p["name"]: p["shape"] for p in case["params"]}
@@ -207,7 +207,7 @@ def _regime_problems(case: dict, spec: dict) -> list[str]:
 
 # ----- stages 2 and 3: replay on a device ----------------------------------------------------
 def run_replay_stage(stage_id: str, fixture: dict, device: str, dtypes: list[str]) -> dict:
-    from kiln_train.optim.oracle import TRAJECTORY, replay_case
+    from kiln_train.qualify.adamw_oracle import TRAJECTORY, replay_case
 
     results, drift = [], []
     for case in fixture["cases"]:

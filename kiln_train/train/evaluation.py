@@ -31,7 +31,7 @@ import torch
 
 from kiln_train.data.ingestion import TokenizedRow
 from kiln_train.errors import TrainingFailure
-from kiln_train.plan.backend import FULL_LOGITS, KT_TAPE_FLCE
+from kiln_train.ground.backend import FULL_LOGITS, KT_TAPE_FLCE
 from kiln_train.plan.formulas import validation_score_block
 from kiln_train.train.loss import IGNORE_INDEX, LOSS_ROUTES
 

@@ -25,8 +25,7 @@ from pydantic import ValidationError
 from kiln_train.data.ingestion import IngestionResult, ingest_examples, ingest_jsonl
 from kiln_train.data.validation import ValidationSet, prepare_validation
 from kiln_train.errors import ADAPTER_ALREADY_EXISTS, KilnError, backend_unsupported, invalid_request
-from kiln_train.model.resident import ResidentModel, load_resident, missing_device
-from kiln_train.plan.backend import backend_for_device
+from kiln_train.ground.backend import backend_for_device
 from kiln_train.plan.budget import apply_cpu_allocator_policy, available_budget, device_memory
 from kiln_train.plan.gates import check_base_adapter, check_static_gates, resident_target
 from kiln_train.plan.names import check_no_later_checkpoints, check_request_names
@@ -34,6 +33,7 @@ from kiln_train.plan.run_plan import RunPlan, plan_run
 from kiln_train.sft_config import SftConfig, ValidationSpec, describe_validation_error, parse_sft_config
 from kiln_train.train.evaluation import Evaluation
 from kiln_train.train.request import TrainRequest
+from kiln_train.train.resident import ResidentModel, load_resident, missing_device
 from kiln_train.train.result import StepReport, TrainResult
 from kiln_train.train.trainer import new_run_id, train_sft
 from kiln_train.train.warmup import warm_up

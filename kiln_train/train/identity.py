@@ -6,14 +6,14 @@ from __future__ import annotations
 import torch
 
 from kiln_train import checkpoint as ckpt
-from kiln_train.artifacts.digest import json_sha256
 from kiln_train.artifacts.provenance import git_state
 from kiln_train.artifacts.receipt import RunFacts
 from kiln_train.data.ingestion import IngestionResult
-from kiln_train.model.resident import ResidentModel
+from kiln_train.ground.digest import json_sha256
 from kiln_train.plan.formulas import checkpoint_boundary_policy
+from kiln_train.plan.row_plan import default_checkpoint_plan, recorded_plan
 from kiln_train.sft_config import SftConfig
-from kiln_train.train.segment_plan import default_checkpoint_plan, recorded_plan
+from kiln_train.train.resident import ResidentModel
 
 
 def auxiliary_state(

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from kiln_train.data.ingestion import IngestionResult, kept_corpus_sha256
 from kiln_train.errors import TrainingFailure
-from kiln_train.model.resident import ResidentModel
-from kiln_train.plan.backend import FULL_LOGITS
+from kiln_train.ground.backend import FULL_LOGITS
 from kiln_train.sft_config import MAX_LORA_ALPHA_OVER_RANK, SftConfig
+from kiln_train.train.resident import ResidentModel
 
 
 def check_config_for_training(

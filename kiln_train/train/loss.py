@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln_train.errors import TrainingFailure, invalid_request
-from kiln_train.plan.backend import FULL_LOGITS, KT_TAPE_FLCE
+from kiln_train.ground.backend import FULL_LOGITS, KT_TAPE_FLCE
 from kiln_train.plan.formulas import vocab_chunk_size
 
 IGNORE_INDEX = -100

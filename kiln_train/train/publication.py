@@ -9,7 +9,7 @@ from kiln_train.artifacts import adapter as adapter_io
 from kiln_train.artifacts.adapter_layout import FAILED_RECEIPTS_DIR, TRAIN_RECEIPT
 from kiln_train.artifacts.fencing import Fence
 from kiln_train.artifacts.receipt import RunFacts, adapter_manifest, build_receipt
-from kiln_train.model.resident import ResidentModel
+from kiln_train.train.resident import ResidentModel
 
 
 def failed_receipt_path(registry: Path, adapter_name: str, run_id: str) -> Path:

@@ -11,9 +11,9 @@ if TYPE_CHECKING:
     from kiln_train.artifacts.fencing import Fence
     from kiln_train.data.ingestion import IngestionResult
     from kiln_train.data.validation import ValidationSet
-    from kiln_train.model.resident import ResidentModel
     from kiln_train.sft_config import SftConfig
     from kiln_train.train.evaluation import Evaluation
+    from kiln_train.train.resident import ResidentModel
     from kiln_train.train.result import StepReport
 
 

@@ -26,7 +26,9 @@ from kiln_train.artifacts.adapter_layout import TRAIN_RECEIPT
 from kiln_train.artifacts.fencing import Fence
 from kiln_train.errors import ADAPTER_ALREADY_EXISTS, KilnError, TrainingFailure
 from kiln_train.model.lora import release_lora
+from kiln_train.optim.request_optimizer import optimizer_for
 from kiln_train.optim.state import encode_state
+from kiln_train.plan.row_plan import per_row_plan
 from kiln_train.train.anomaly import anomaly_scan
 from kiln_train.train.evaluation import Evaluation, EvaluationStopped, best_evaluation, evaluate
 from kiln_train.train.grad_norms import GradNormAccumulator
@@ -34,11 +36,9 @@ from kiln_train.train.guards import DIVERGENCE_MARGIN, DIVERGENCE_RATIO
 from kiln_train.train.identity import auxiliary_state
 from kiln_train.train.invariants import check_config_for_training, verify_rows
 from kiln_train.train.loss import sft_loss
-from kiln_train.train.optimizer import optimizer_for
 from kiln_train.train.result import StepReport
-from kiln_train.train.resume import ResumeState, check_manifest, read_resume_state
+from kiln_train.train.resume_state import ResumeState, check_manifest, read_resume_state
 from kiln_train.train.scope import training_scope
-from kiln_train.train.segment_plan import per_row_plan
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,9 @@ class SftRun:
         check_config_for_training(c, self.route, self.resident, int(self.plan.get("max_segments", 1)))
         verify_rows(self.ingestion)
         self._check_validation()
-        self.segments, entries = per_row_plan(self.resident, c, self.ingestion, self.plan, self.route)
+        self.segments, entries = per_row_plan(
+            self.resident.config, self.resident.backend, c, self.ingestion, self.plan, self.route
+        )
         self.aux = auxiliary_state(self.resident, c, self.ingestion, self.route, entries, self.plan)
         if self.validation is not None:
             self.aux[ckpt.VALIDATION_AUX_KEY] = self.validation.identity()

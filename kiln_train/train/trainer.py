@@ -2,7 +2,7 @@
 
 It resolves the run's name, id and plan, runs an `SftRun` (`kiln_train.train.run`) and ends in
 exactly one outcome: the published adapter with its receipt, or a failed receipt. A resumed run
-first adopts what its checkpoint recorded (`kiln_train.train.resume`).
+first adopts what its checkpoint recorded (`kiln_train.train.resume_state`).
 """
 
 from __future__ import annotations
@@ -22,19 +22,19 @@ from kiln_train.artifacts.adapter_layout import CANARY_STATUS, TRAIN_RECEIPT
 from kiln_train.artifacts.receipt import RunFacts, build_receipt
 from kiln_train.errors import OwnershipLost, TrainingFailure, invalid_request
 from kiln_train.model.lora import release_lora
+from kiln_train.plan.row_plan import default_checkpoint_plan
 from kiln_train.train.canary import canary_status, run_smoke_test
 from kiln_train.train.identity import run_facts
 from kiln_train.train.publication import publish_success, write_failed_receipt
 from kiln_train.train.request import TrainRequest
 from kiln_train.train.result import TrainResult, classify_exception
-from kiln_train.train.resume import (
+from kiln_train.train.resume_state import (
     intra_op_threads,
     recorded_aux,
     recorded_checkpoint_plan,
     recorded_cpu_threads,
 )
 from kiln_train.train.run import SftRun
-from kiln_train.train.segment_plan import default_checkpoint_plan
 
 log = logging.getLogger(__name__)
 

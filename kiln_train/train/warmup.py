@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kiln_train.model.lora import release_lora
-from kiln_train.model.resident import ResidentModel
+from kiln_train.train.resident import ResidentModel
 from kiln_train.train.scope import training_scope
 
 

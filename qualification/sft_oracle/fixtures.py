@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kiln_train.artifacts.digest import file_sha256_hex
 from kiln_train.data.chat_template import training_chat_template_sha256
 from kiln_train.data.labels import MASK_CONTRACT
 from kiln_train.data.tokenizer import vocabulary_file
+from kiln_train.ground.digest import file_sha256_hex
 
 from .constants import (
     CHECK,

@@ -43,7 +43,7 @@ def tiny_model_dir(tmp_path_factory, qwen_tokenizer) -> Path:
 @pytest.fixture(scope="session")
 def runner_kwargs(tiny_model_dir) -> dict[str, Any]:
     """What a real worker writes into `runners` for the tiny model (worker.runner)."""
-    from kiln_train.model.resident import load_resident
+    from kiln_train.train.resident import load_resident
     from worker.runner import runner_registration
 
     kwargs = runner_registration(load_resident(tiny_model_dir))

@@ -9,7 +9,7 @@ import pytest
 
 from kiln.store import Admission
 from kiln_train.checkpoint import epoch_order, publish_checkpoint, sft_manifest_draft
-from kiln_train.plan.backend import backend_for_device
+from kiln_train.ground.backend import backend_for_device
 from kiln_train.sft_config import SftConfig
 from tests.api.conftest import example
 from tests.kiln_train.checkpoint.checkpoint_support import artifacts, auxiliary_state

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from api.json_text import DECODER, loads
-from kiln_train.artifacts.digest import canonical_json_bytes, json_sha256, sha256_prefixed
+from kiln_train.ground.digest import canonical_json_bytes, json_sha256, sha256_prefixed
 
 
 def _outcome(fn, text: str):

@@ -19,7 +19,7 @@ from kiln.store import (
     record_step,
 )
 from kiln_train.checkpoint import epoch_order, publish_checkpoint, sft_manifest_draft
-from kiln_train.plan.backend import backend_for_device
+from kiln_train.ground.backend import backend_for_device
 from kiln_train.sft_config import SftConfig
 from tests.api.conftest import RUNNER_ID, example, snapshot
 from tests.kiln_train.checkpoint.checkpoint_support import artifacts, auxiliary_state

@@ -26,7 +26,7 @@ from tests.api.conftest import (  # noqa: F401  (fixtures re-exported for this p
 
 @pytest.fixture(scope="session")
 def resident(tiny_model_dir):
-    from kiln_train.model.resident import load_resident
+    from kiln_train.train.resident import load_resident
 
     return load_resident(tiny_model_dir)
 

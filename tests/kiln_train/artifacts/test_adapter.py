@@ -19,8 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from kiln_train.artifacts import adapter as adapter_module
 from kiln_train.artifacts.adapter import publish_adapter
-from kiln_train.artifacts.digest import file_digest
 from kiln_train.errors import KilnError
+from kiln_train.ground.digest import file_digest
 from kiln_train.model import attach_lora, load_model
 from kiln_train.model.config import LORA_TARGET_MODULES
 from kiln_train.train import optimizer as optimizer_mod

@@ -15,7 +15,7 @@ import pytest
 from safetensors import safe_open
 
 from kiln_train.artifacts.adapter import adapter_config
-from kiln_train.artifacts.digest import file_digest
+from kiln_train.ground.digest import file_digest
 from kiln_train.model.config import LORA_TARGET_MODULES
 from kiln_train.train.canary import canary_status
 from tests.kiln_train.artifacts.receipt_checks import ADAPTER_CONFIG_KEYS, validate_receipt

@@ -9,7 +9,6 @@ from typing import Any
 import torch
 from safetensors.torch import save
 
-from kiln_train.artifacts.digest import json_sha256
 from kiln_train.artifacts.provenance import shard_aggregate
 from kiln_train.checkpoint import (
     ADAPTER_FILE,
@@ -25,7 +24,8 @@ from kiln_train.checkpoint import (
     publish_checkpoint,
     sft_manifest_draft,
 )
-from kiln_train.plan.backend import backend_for_device
+from kiln_train.ground.backend import backend_for_device
+from kiln_train.ground.digest import json_sha256
 from kiln_train.sft_config import SftConfig, parse_sft_config
 
 ADAPTER = "support-bot"

@@ -9,8 +9,8 @@ import pytest
 
 from kiln_train.checkpoint import CheckpointError, load_checkpoint, publish_checkpoint
 from kiln_train.checkpoint.rules import checkpoint_plan_problem
-from kiln_train.train.resume import recorded_aux, recorded_checkpoint_plan
-from kiln_train.train.segment_plan import recorded_plan
+from kiln_train.plan.row_plan import recorded_plan
+from kiln_train.train.resume_state import recorded_aux, recorded_checkpoint_plan
 from tests.kiln_train.checkpoint.checkpoint_support import artifacts, draft
 
 

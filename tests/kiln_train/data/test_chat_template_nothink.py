@@ -28,8 +28,8 @@ from kiln_train.data.chat_template import (
     training_template,
 )
 from kiln_train.errors import TRAINING_BACKEND_UNSUPPORTED, KilnError
-from kiln_train.model.resident import load_resident
 from kiln_train.model.tiny import TEMPLATE_FILES, write_tiny_checkpoint
+from kiln_train.train.resident import load_resident
 from tests.kiln_train.train import trainer_fixtures as fx
 
 REPO = Path(__file__).resolve().parents[3]

@@ -26,8 +26,8 @@ from safetensors.torch import load_file
 from api import create_app
 from kiln.store import Admission, make_engine, register_runner, session_factory
 from kiln_train.interop.bundle import parse_lock, runner_bytes
-from kiln_train.model.resident import load_resident
 from kiln_train.sft_config import SftConfig, parse_sft_config
+from kiln_train.train.resident import load_resident
 from tests.api.conftest import REDIS_URL, make_settings, runner_kwargs, tiny_model_dir  # noqa: F401
 from tests.kiln.store.store_support import migrated_database
 from tests.kiln_train.interop.support import kiln_run, read_json, relative_error, run_train_py, sha256, tar_gz

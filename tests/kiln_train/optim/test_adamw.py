@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import load as load_tensors
 
 from kiln_train.optim import AdamW, build_optimizer
-from kiln_train.optim.oracle import (
+from kiln_train.optim.state import encode_state
+from kiln_train.qualify.adamw_oracle import (
     FIELDS,
     PER_STEP,
     TRAJECTORY,
@@ -26,7 +27,6 @@ from kiln_train.optim.oracle import (
     replay_case,
     ulp_distance,
 )
-from kiln_train.optim.state import encode_state
 
 FIXTURE = Path(__file__).resolve().parents[3] / "qualification" / "fixtures" / "adamw_pytorch_oracle_v1.json"
 BOUNDS = {"parameter": 1, "exp_avg": 4, "exp_avg_sq": 3}

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from kiln_train.ground.backend import KT_TAPE_FLCE, backend_for_device
 from kiln_train.model.config import QWEN35_4B_TEXT_CONFIG, parse_config
 from kiln_train.model.tiny import PRESETS
-from kiln_train.plan.backend import KT_TAPE_FLCE, backend_for_device
 from kiln_train.plan.memory import estimate
 from kiln_train.plan.segments import plan_segments
 

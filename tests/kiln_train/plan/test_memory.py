@@ -10,8 +10,8 @@ import pytest
 
 from api.errors import http_status
 from kiln_train.errors import TRAINING_WILL_NOT_FIT, KilnError
+from kiln_train.ground.backend import FULL_LOGITS
 from kiln_train.model.config import parse_config
-from kiln_train.plan.backend import FULL_LOGITS
 from kiln_train.plan.formulas import (
     attention_layer_bytes,
     gdn_layer_bytes,

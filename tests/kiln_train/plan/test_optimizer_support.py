@@ -9,8 +9,8 @@ import pytest
 
 from api.errors import http_status
 from kiln_train.errors import KilnError
+from kiln_train.ground.backend import backend_for_device
 from kiln_train.model.config import QWEN35_4B_TEXT_CONFIG, parse_config
-from kiln_train.plan.backend import backend_for_device
 from kiln_train.plan.optimizer_support import (
     DISTILL_REFRESH_REASON,
     check_optimizer_tuple,

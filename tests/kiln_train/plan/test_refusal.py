@@ -8,7 +8,7 @@ import re
 import pytest
 
 from kiln_train.errors import TRAINING_WILL_NOT_FIT, KilnError
-from kiln_train.plan.backend import FULL_LOGITS, KT_TAPE_FLCE
+from kiln_train.ground.backend import FULL_LOGITS, KT_TAPE_FLCE
 from kiln_train.plan.memory import GIB
 from kiln_train.plan.refusal import dominant_component, will_not_fit_message
 from kiln_train.plan.segments import max_rank_that_fits, plan_segments

@@ -7,7 +7,7 @@ import pytest
 
 from api.errors import http_status
 from kiln_train.errors import TRAINING_WILL_NOT_FIT, KilnError
-from kiln_train.plan.backend import FULL_LOGITS, KT_TAPE_FLCE
+from kiln_train.ground.backend import FULL_LOGITS, KT_TAPE_FLCE
 from kiln_train.plan.memory import GIB, estimate
 from kiln_train.plan.segments import (
     admissible_rank_ceiling,

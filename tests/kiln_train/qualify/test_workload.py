@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 
 from kiln_cli.main import cli
-from kiln_train.artifacts.digest import file_sha256_hex
+from kiln_train.ground.digest import file_sha256_hex
 from kiln_train.qualify.workload import (
     NO_CUDA_REASON,
     RECEIPT_SCHEMA,

@@ -127,7 +127,7 @@ def compare(found, expected, where: str = "") -> list[str]:
 
 @pytest.fixture(scope="module")
 def resident(tiny_model_dir_for_stability):
-    from kiln_train.model.resident import load_resident
+    from kiln_train.train.resident import load_resident
 
     return load_resident(tiny_model_dir_for_stability)
 

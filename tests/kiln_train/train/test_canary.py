@@ -7,10 +7,10 @@ import torch
 
 from kiln_train.data.tokenizer import ENDOFTEXT_ID, IM_END_ID
 from kiln_train.model import attach_lora
-from kiln_train.model.resident import load_resident
 from kiln_train.sft_config import BUILTIN_SMOKE_PROMPTS
 from kiln_train.train import canary
 from kiln_train.train.canary import canary_status, run_smoke_test, stop_token_ids
+from kiln_train.train.resident import load_resident
 from kiln_train.train.scope import TRAINING_SCOPE
 from tests.kiln_train.train import trainer_fixtures as fx
 from tests.kiln_train.train.trainer_fixtures import conversations, ingest, make_config, read_json, train

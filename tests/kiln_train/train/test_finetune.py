@@ -233,8 +233,8 @@ def test_a_stopped_run_resumes_to_the_adapter_of_a_straight_run(tmp_path, reside
 
 
 def test_a_model_it_loads_has_the_execution_identity_of_a_default_worker(tiny_dir):
-    from kiln_train.model.resident import load_resident
     from kiln_train.train.finetune import _load
+    from kiln_train.train.resident import load_resident
 
     worker = load_resident(
         tiny_dir, device="cpu", server_config={"memory": Settings().memory.model_dump(mode="json")}

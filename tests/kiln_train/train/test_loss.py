@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln_train.errors import KilnError, TrainingFailure
-from kiln_train.plan.backend import FULL_LOGITS, KT_TAPE_FLCE
+from kiln_train.ground.backend import FULL_LOGITS, KT_TAPE_FLCE
 from kiln_train.plan.formulas import vocab_chunk_size
 from kiln_train.train.loss import ChunkedLinearCrossEntropy, count_supervised_targets, sft_loss
 

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from kiln_train.artifacts.adapter import adapter_config, parse_key
-from kiln_train.artifacts.digest import file_digest
 from kiln_train.artifacts.provenance import verify_provenance_digest
 from kiln_train.checkpoint import epoch_order, load_checkpoint
+from kiln_train.ground.digest import file_digest
 from kiln_train.model.config import LORA_TARGET_MODULES
 from kiln_train.train import optimizer as optimizer_mod
 from tests.kiln_train.artifacts.receipt_checks import ADAPTER_CONFIG_KEYS, validate_receipt

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 
 from kiln_train.checkpoint import load_checkpoint
 from kiln_train.model import attach_lora
-from kiln_train.model.resident import load_resident
 from kiln_train.train import optimizer as optimizer_mod
 from kiln_train.train import run as run_mod
+from kiln_train.train.resident import load_resident
 from kiln_train.train.run import SftRun
 from tests.kiln_train.artifacts.receipt_checks import validate_receipt
 from tests.kiln_train.train import trainer_fixtures as fx

@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kiln_train.model.resident import load_resident
 from kiln_train.model.tiny import write_tiny_checkpoint
+from kiln_train.train.resident import load_resident
 from tests.kiln_train.train import trainer_fixtures as fx
 from tests.kiln_train.train.trainer_fixtures import conversations, ingest, make_config, train
 

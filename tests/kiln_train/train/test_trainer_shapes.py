@@ -21,14 +21,14 @@ from safetensors.torch import load_file
 
 from kiln_train.data.tokenizer import write_tokenizer
 from kiln_train.errors import KilnError
+from kiln_train.ground.backend import KT_TAPE_FLCE, backend_for_device
 from kiln_train.model import attach_lora, load_model
 from kiln_train.model.config import LORA_TARGET_MODULES
-from kiln_train.model.resident import load_resident
 from kiln_train.model.tiny import TEMPLATE_FILES
-from kiln_train.plan.backend import KT_TAPE_FLCE, backend_for_device
 from kiln_train.plan.memory import estimate
 from kiln_train.plan.optimizer_support import check_optimizer_tuple, optimizer_support_report
 from kiln_train.plan.segments import max_rank_that_fits, plan_segments
+from kiln_train.train.resident import load_resident
 from tests.kiln_train.train import trainer_fixtures as fx
 from tests.kiln_train.train.trainer_fixtures import conversations, ingest, make_config, train
 

@@ -30,9 +30,9 @@ import pytest
 import torch
 
 from kiln_train.data.ingestion import IngestionResult, ingest_examples
-from kiln_train.model.resident import ResidentModel, load_resident
 from kiln_train.model.tiny import write_tiny_checkpoint
 from kiln_train.sft_config import SftConfig, parse_sft_config
+from kiln_train.train.resident import ResidentModel, load_resident
 from kiln_train.train.result import TrainResult
 from qualification.bench_support import train_on_resident
 

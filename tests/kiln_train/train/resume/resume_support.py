@@ -9,7 +9,7 @@ timing, dates and paths).
 
 The fresh-process leg driver is also here:
 
-    python -m tests.kiln_train.train.resume.resume_support leg JOB.json
+    python -m tests.kiln_train.train.resume_state.resume_support leg JOB.json
 
 where JOB.json is `{model_dir, rows, policy, config, output_root, adapter_name, resume_checkpoint,
 stop_at}`; the leg's result is printed as one JSON line.
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from kiln_train.model.resident import load_resident
 from kiln_train.sft_config import SftConfig
+from kiln_train.train.resident import load_resident
 from qualification.bench_support import train_on_resident
 from tests.kiln_train.train.trainer_fixtures import (
     TRAIN_THREADS,
@@ -159,7 +159,7 @@ def run_leg_in_fresh_process(job: dict, tmp: Path) -> dict:
     """Run one leg in a new Python process (same torch thread count); its result as a dict."""
     job_file = Path(tmp) / f"leg-{os.getpid()}-{len(list(Path(tmp).glob('leg-*.json')))}.json"
     job_file.write_text(json.dumps(job), encoding="utf-8")
-    return run_in_fresh_process("tests.kiln_train.train.resume.resume_support", "leg", str(job_file))
+    return run_in_fresh_process("tests.kiln_train.train.resume_state.resume_support", "leg", str(job_file))
 
 
 def _leg_main(job_path: str) -> None:
@@ -183,5 +183,5 @@ def _leg_main(job_path: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] != "leg":
-        raise SystemExit("usage: python -m tests.kiln_train.train.resume.resume_support leg JOB.json")
+        raise SystemExit("usage: python -m tests.kiln_train.train.resume_state.resume_support leg JOB.json")
     _leg_main(sys.argv[2])

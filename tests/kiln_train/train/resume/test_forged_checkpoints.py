@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load, save
 
 from kiln_train.checkpoint import CheckpointError
-from tests.kiln_train.train.resume import refusal_fixtures as rf
-from tests.kiln_train.train.resume.refusal_fixtures import (
+from tests.kiln_train.train.resume_state import refusal_fixtures as rf
+from tests.kiln_train.train.resume_state.refusal_fixtures import (
     ADAPTER,
     CONFIG,
     LOOP,
@@ -30,7 +30,7 @@ from tests.kiln_train.train.resume.refusal_fixtures import (
     assert_refused,
     resume_run,
 )
-from tests.kiln_train.train.resume.resume_support import NAME, ckpt_path
+from tests.kiln_train.train.resume_state.resume_support import NAME, ckpt_path
 from tests.kiln_train.train.trainer_fixtures import make_config
 
 one_thread, resident, tiny_dir = rf.one_thread, rf.resident, rf.tiny_dir  # shared fixtures
@@ -233,9 +233,9 @@ def test_a_flipped_byte_anywhere_in_a_state_file_names_it(
 @pytest.fixture
 def validate_resume(resident, ingestion, tmp_path):
     """The trainer's own resume validation (`SftRun._load_resume`) of a checkpoint directory."""
+    from kiln_train.plan.row_plan import default_checkpoint_plan, per_row_plan
     from kiln_train.train.identity import auxiliary_state
     from kiln_train.train.run import SftRun
-    from kiln_train.train.segment_plan import default_checkpoint_plan, per_row_plan
 
     config = make_config(**CONFIG)
     run = SftRun(
@@ -248,7 +248,7 @@ def validate_resume(resident, ingestion, tmp_path):
         plan=default_checkpoint_plan(config),
         run_id="probe",
     )
-    _, entries = per_row_plan(resident, config, ingestion, run.plan, run.route)
+    _, entries = per_row_plan(resident.config, resident.backend, config, ingestion, run.plan, run.route)
     aux = auxiliary_state(resident, config, ingestion, run.route, entries)
 
     def validate(path: Path) -> None:

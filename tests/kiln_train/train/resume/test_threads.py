@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln_train.train.resume import intra_op_threads, recorded_aux, recorded_cpu_threads
+from kiln_train.train.resume_state import intra_op_threads, recorded_aux, recorded_cpu_threads
 from qualification.bench_support import train_on_resident
 from tests.kiln_train.train import trainer_fixtures as fx
 from tests.kiln_train.train.trainer_fixtures import conversations, ingest, make_config, read_json

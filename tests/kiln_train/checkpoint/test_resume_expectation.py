@@ -18,7 +18,7 @@ from kiln_train.checkpoint import (
     sft_scheduler_record,
     verify_queued_checkpoint,
 )
-from kiln_train.plan.backend import backend_for_device
+from kiln_train.ground.backend import backend_for_device
 from kiln_train.sft_config import parse_sft_config
 from tests.kiln_train.checkpoint.checkpoint_support import (
     ADAPTER,

@@ -1,11 +1,13 @@
-"""The gradient checkpoint plan of a run: the pinned plan, the segments each row gets from it, and
-the part of it a checkpoint records."""
+"""The pinned gradient-checkpoint plan applied to a run: the default plan, the segments each row
+gets from it, and the part of it a checkpoint records. Admission chose the plan (`segments.py`);
+the trainer derives each row's segments from it here. Torch-free."""
 
 from __future__ import annotations
 
 from kiln_train.data.ingestion import IngestionResult
-from kiln_train.model.checkpointing import segment_bounds
-from kiln_train.model.resident import ResidentModel
+from kiln_train.ground.backend import Backend
+from kiln_train.ground.layer_segments import segment_bounds
+from kiln_train.model.config import Qwen35Config
 from kiln_train.plan.memory import estimate
 from kiln_train.plan.segments import row_segments
 from kiln_train.sft_config import SftConfig
@@ -16,10 +18,10 @@ def default_checkpoint_plan(config: SftConfig) -> dict:
 
 
 def per_row_plan(
-    resident: ResidentModel, config: SftConfig, ingestion: IngestionResult, plan: dict, route: str
+    cfg: Qwen35Config, backend: Backend, config: SftConfig, ingestion: IngestionResult, plan: dict, route: str
 ):
-    """Segments for every kept row, and the plan list whose digest the checkpoint binds."""
-    cfg = resident.config
+    """Segments for every kept row of the resident model `cfg` on `backend`, and the plan list
+    whose digest the checkpoint binds."""
 
     def fits(seq_len: int, supervised: int, segments: int) -> bool:
         b = estimate(
@@ -30,7 +32,7 @@ def per_row_plan(
             optimizer_kind=config.optimizer.kind,
             num_segments=segments,
             loss_route=route,
-            backend=resident.backend,
+            backend=backend,
             weights_resident=True,
         )
         return b.fits(int(plan["budget_bytes"]))

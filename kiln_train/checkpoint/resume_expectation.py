@@ -1,4 +1,5 @@
-"""Resume admission: compare a checkpoint with what the new run computes (docs/checkpoints.md#resume).
+"""What a resumed run must match: compare a checkpoint with what the new run computes
+(docs/checkpoints.md#resume).
 
 Before any model or GPU work, everything the manifest binds must equal the new run's value:
 training kind, adapter (output) name, the explicit seed, the effective config (after LR/seed

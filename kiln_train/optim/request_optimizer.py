@@ -1,5 +1,5 @@
-"""The run's optimizer, built from the request's optimizer object (`kiln_train.optim` itself
-knows nothing of the request)."""
+"""The run's optimizer, built from the request's optimizer object: the one module of
+`kiln_train.optim` that reads the request; the optimizers themselves take plain arguments."""
 
 from __future__ import annotations
 

@@ -14,8 +14,8 @@ from kiln_train.data.chat_template import ChatTemplateSourceError, load_model_ch
 from kiln_train.data.tokenizer import TokenizerFileError, load_tokenizer
 from kiln_train.errors import TRAINING_BACKEND_UNSUPPORTED
 from kiln_train.model.loader import ModelCheckpointError
-from kiln_train.model.resident import load_resident
 from kiln_train.model.tiny import write_tiny_checkpoint
+from kiln_train.train.resident import load_resident
 
 
 def test_a_tokenizer_with_ids_beyond_the_embedding_is_refused_at_load(tmp_path):

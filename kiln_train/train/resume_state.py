@@ -1,4 +1,4 @@
-"""Resuming from an exact checkpoint: what the trainer reads from it before any work.
+"""The state a resumed run reads from its exact checkpoint before any work.
 
 A resume is refused, naming the field or file, before any model work: the manifest must match
 this run (`check_manifest`), then the adapter tensors, the optimizer state and the loop state's
@@ -23,9 +23,9 @@ from kiln_train.data.ingestion import IngestionResult
 from kiln_train.errors import TrainingFailure
 from kiln_train.model.config import Qwen35Config
 from kiln_train.model.lora import lora_key
-from kiln_train.model.resident import ResidentModel
+from kiln_train.optim.request_optimizer import optimizer_for
 from kiln_train.sft_config import SftConfig
-from kiln_train.train.optimizer import optimizer_for
+from kiln_train.train.resident import ResidentModel
 
 log = logging.getLogger(__name__)
 

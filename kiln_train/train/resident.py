@@ -16,8 +16,8 @@ from kiln_train.artifacts.provenance import (
     model_identity,
 )
 from kiln_train.data.tokenizer import TOKENIZER_FILE
+from kiln_train.ground.backend import Backend, backend_for_device
 from kiln_train.model.config import Qwen35Config
-from kiln_train.plan.backend import Backend, backend_for_device
 
 
 @dataclass
