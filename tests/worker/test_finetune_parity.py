@@ -11,7 +11,7 @@ import pytest
 
 from kiln_train import finetune
 from tests.api.conftest import sft_body, unique_name
-from tests.kiln_train.train.resume_state.resume_support import VOLATILE_RECEIPT, json_diff
+from tests.kiln_train.train.resume.resume_support import VOLATILE_RECEIPT, json_diff
 
 # Where two runs of one plan may differ in a checkpoint manifest: when it was written, and the
 # budget an automatic segment plan was derived from (the free memory each run was planned with).

@@ -23,7 +23,7 @@ from kiln_train.errors import KilnError
 from kiln_train.ground.digest import file_digest
 from kiln_train.model import attach_lora, load_model
 from kiln_train.model.config import LORA_TARGET_MODULES
-from kiln_train.train import optimizer as optimizer_mod
+from kiln_train.optim import request_optimizer as optimizer_mod
 from tests.kiln_train.artifacts.receipt_checks import validate_receipt
 from tests.kiln_train.train import trainer_fixtures as fx
 from tests.kiln_train.train.trainer_fixtures import (

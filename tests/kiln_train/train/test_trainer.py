@@ -20,7 +20,7 @@ from kiln_train.artifacts.provenance import verify_provenance_digest
 from kiln_train.checkpoint import epoch_order, load_checkpoint
 from kiln_train.ground.digest import file_digest
 from kiln_train.model.config import LORA_TARGET_MODULES
-from kiln_train.train import optimizer as optimizer_mod
+from kiln_train.optim import request_optimizer as optimizer_mod
 from tests.kiln_train.artifacts.receipt_checks import ADAPTER_CONFIG_KEYS, validate_receipt
 from tests.kiln_train.train import trainer_fixtures as fx
 from tests.kiln_train.train.trainer_fixtures import conversations, ingest, make_config, read_json, train

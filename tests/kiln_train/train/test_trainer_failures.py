@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from kiln_train.checkpoint import load_checkpoint
 from kiln_train.model import attach_lora
-from kiln_train.train import optimizer as optimizer_mod
+from kiln_train.optim import request_optimizer as optimizer_mod
 from kiln_train.train import run as run_mod
 from kiln_train.train.resident import load_resident
 from kiln_train.train.run import SftRun

@@ -10,7 +10,7 @@ import pytest
 
 from kiln_train import model as model_pkg
 from tests.kiln_train.train import trainer_fixtures as fx
-from tests.kiln_train.train.resume_state.resume_support import NAME, ckpt_path, leg
+from tests.kiln_train.train.resume.resume_support import NAME, ckpt_path, leg
 from tests.kiln_train.train.trainer_fixtures import conversations, ingest, make_config, train
 
 one_thread, resident, tiny_dir = fx.one_thread, fx.resident, fx.tiny_dir  # shared fixtures

@@ -9,7 +9,7 @@ timing, dates and paths).
 
 The fresh-process leg driver is also here:
 
-    python -m tests.kiln_train.train.resume_state.resume_support leg JOB.json
+    python -m tests.kiln_train.train.resume.resume_support leg JOB.json
 
 where JOB.json is `{model_dir, rows, policy, config, output_root, adapter_name, resume_checkpoint,
 stop_at}`; the leg's result is printed as one JSON line.
@@ -159,7 +159,7 @@ def run_leg_in_fresh_process(job: dict, tmp: Path) -> dict:
     """Run one leg in a new Python process (same torch thread count); its result as a dict."""
     job_file = Path(tmp) / f"leg-{os.getpid()}-{len(list(Path(tmp).glob('leg-*.json')))}.json"
     job_file.write_text(json.dumps(job), encoding="utf-8")
-    return run_in_fresh_process("tests.kiln_train.train.resume_state.resume_support", "leg", str(job_file))
+    return run_in_fresh_process("tests.kiln_train.train.resume.resume_support", "leg", str(job_file))
 
 
 def _leg_main(job_path: str) -> None:
@@ -183,5 +183,5 @@ def _leg_main(job_path: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] != "leg":
-        raise SystemExit("usage: python -m tests.kiln_train.train.resume_state.resume_support leg JOB.json")
+        raise SystemExit("usage: python -m tests.kiln_train.train.resume.resume_support leg JOB.json")
     _leg_main(sys.argv[2])

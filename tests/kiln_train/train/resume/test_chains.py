@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.kiln_train.train import trainer_fixtures as fx
-from tests.kiln_train.train.resume_state.resume_support import (
+from tests.kiln_train.train.resume.resume_support import (
     NAME,
     assert_same_run,
     chain,

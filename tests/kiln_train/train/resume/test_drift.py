@@ -16,7 +16,7 @@ import pytest
 from kiln_train.checkpoint import PEFT_MESSAGE
 from kiln_train.train.resident import load_resident
 from tests.kiln_train.train import trainer_fixtures as fx
-from tests.kiln_train.train.resume_state import refusal_fixtures as rf
+from tests.kiln_train.train.resume import refusal_fixtures as rf
 from tests.kiln_train.train.trainer_fixtures import conversations, failed_receipt, ingest, make_config, train
 
 one_thread, resident, tiny_dir, other_tiny_dir = fx.one_thread, fx.resident, fx.tiny_dir, fx.other_tiny_dir

@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load, save
 
 from kiln_train.checkpoint import CheckpointError
-from tests.kiln_train.train.resume_state import refusal_fixtures as rf
-from tests.kiln_train.train.resume_state.refusal_fixtures import (
+from tests.kiln_train.train.resume import refusal_fixtures as rf
+from tests.kiln_train.train.resume.refusal_fixtures import (
     ADAPTER,
     CONFIG,
     LOOP,
@@ -30,7 +30,7 @@ from tests.kiln_train.train.resume_state.refusal_fixtures import (
     assert_refused,
     resume_run,
 )
-from tests.kiln_train.train.resume_state.resume_support import NAME, ckpt_path
+from tests.kiln_train.train.resume.resume_support import NAME, ckpt_path
 from tests.kiln_train.train.trainer_fixtures import make_config
 
 one_thread, resident, tiny_dir = rf.one_thread, rf.resident, rf.tiny_dir  # shared fixtures

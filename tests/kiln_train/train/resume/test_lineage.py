@@ -20,7 +20,7 @@ import pytest
 from kiln_train.artifacts.adapter import adapter_identity
 from kiln_train.checkpoint import BASE_ADAPTER_AUX_KEY, CheckpointError, load_checkpoint
 from tests.kiln_train.train import trainer_fixtures as fx
-from tests.kiln_train.train.resume_state.resume_support import NAME, assert_same_run, ckpt_path, leg
+from tests.kiln_train.train.resume.resume_support import NAME, assert_same_run, ckpt_path, leg
 from tests.kiln_train.train.trainer_fixtures import conversations, ingest, make_config, read_json, train
 
 one_thread, resident, tiny_dir = fx.one_thread, fx.resident, fx.tiny_dir  # shared fixtures

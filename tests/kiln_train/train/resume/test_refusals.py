@@ -21,8 +21,8 @@ from kiln_train.checkpoint import publish as publish_module
 from kiln_train.model.tiny import write_tiny_checkpoint
 from kiln_train.train.resident import load_resident
 from tests.kiln_train.checkpoint.checkpoint_support import PUBLICATION_STAGES
-from tests.kiln_train.train.resume_state import refusal_fixtures as rf
-from tests.kiln_train.train.resume_state.refusal_fixtures import (
+from tests.kiln_train.train.resume import refusal_fixtures as rf
+from tests.kiln_train.train.resume.refusal_fixtures import (
     ADAPTER,
     CONFIG,
     MANIFEST,
@@ -30,7 +30,7 @@ from tests.kiln_train.train.resume_state.refusal_fixtures import (
     copy_registry,
     resume_run,
 )
-from tests.kiln_train.train.resume_state.resume_support import NAME, assert_same_run, ckpt_path
+from tests.kiln_train.train.resume.resume_support import NAME, assert_same_run, ckpt_path
 from tests.kiln_train.train.trainer_fixtures import conversations, ingest, make_config, train
 
 one_thread, resident, tiny_dir = rf.one_thread, rf.resident, rf.tiny_dir  # shared fixtures
