@@ -53,6 +53,13 @@ CLEAN_HOUSE = {
 }
 
 
+def test_the_repository_has_no_circle_no_folder_cycle_and_no_arrow_back_up():
+    proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout == ""
+    assert proc.stderr.strip().endswith("; 0 problems"), proc.stderr
+
+
 def test_a_clean_house_has_no_problem(tmp_path):
     plant(tmp_path, CLEAN_HOUSE)
     problems, graph = load_checker().check(tmp_path)
