@@ -126,6 +126,8 @@ class EndToEnd:
         self.job: dict | None = None
         self.torn_down = False
         self.image_sizes: dict[str, int] = {}
+        self.build_output = ""
+        self.started = time.monotonic()
 
     def prepare(self) -> None:
         with self.timings.stage("engine start"):
@@ -153,7 +155,8 @@ class EndToEnd:
         }
         self.project = ComposeProject(self.engine, context, name, self.settings)
         with self.timings.stage("project images (docker-compose build)"):
-            self.project.run("build", timeout=1800)
+            built = self.project.run("build", timeout=1800)
+        self.build_output = built.stdout + built.stderr
         self.health = HealthChecks(self.engine, name)
         self.health.start()
 
@@ -220,7 +223,19 @@ class EndToEnd:
         if self.host_before is not None:
             remove_added_rules(self.host_before)
             problems += differences(self.host_before, str(CACHE))
+        self.write_record(problems)
         return problems
+
+    def write_record(self, problems: list[str]) -> None:
+        """Stage times and image sizes of this run, in the cache directory (`last-run.json`)."""
+        record = {
+            "total_s": round(time.monotonic() - self.started, 1),
+            "stages_s": self.timings.stages,
+            "image_bytes": self.image_sizes,
+            "problems": problems,
+        }
+        (CACHE / "last-run.json").write_text(json.dumps(record, indent=2) + "\n")
+        print(json.dumps(record, indent=2))
 
 
 @pytest.fixture(scope="module")
@@ -297,6 +312,12 @@ def test_migrate_waits_for_a_database_that_is_not_up_yet(e2e):
 
 
 # ----- the stack ----------------------------------------------------------------------------------
+
+
+def test_the_images_build_without_warnings_from_useradd(e2e):
+    """A cached build shows no RUN output; a cold one shows every useradd of both images."""
+    assert "useradd warning" not in e2e.build_output
+    assert "Successfully tagged" in e2e.build_output or "COMMIT" in e2e.build_output
 
 
 def test_up_brings_every_service_to_healthy(e2e):
@@ -389,7 +410,8 @@ def test_a_job_submitted_over_http_trains_to_an_adapter_that_downloads(e2e):
     lora_b = [t for name, t in tensors.items() if "lora_B" in name]
     assert lora_b and any(abs(t).max() > 0 for t in lora_b)  # trained: B starts at zero
     receipt = json.loads(members[prefix + "train_receipt.json"])
-    assert json.dumps(receipt).count(job["job_id"]) >= 1
+    assert (receipt["adapter_name"], receipt["status"]) == (job["adapter_name"], "success")
+    assert receipt["config"]["seed"] == job["effective_seed"]
 
 
 def test_flower_asks_for_basic_auth_and_lists_the_worker(e2e):
@@ -461,8 +483,4 @@ def test_the_queries_of_deploy_queries_sql_answer_for_the_job(e2e):
 def test_down_removes_the_stack_and_leaves_nothing_on_the_host(e2e):
     names = ["kiln-api:local", "kiln-worker-cpu:local", *(image.tag for image in stand_in_images.STAND_INS)]
     e2e.image_sizes = e2e.engine.image_sizes([stand_in_images.BASE_IMAGE, *names])
-    problems = e2e.teardown()
-    record = {"stages_s": e2e.timings.stages, "image_bytes": e2e.image_sizes}
-    (CACHE / "last-run.json").write_text(json.dumps(record, indent=2) + "\n")
-    print(json.dumps(record, indent=2))
-    assert problems == []
+    assert e2e.teardown() == []
