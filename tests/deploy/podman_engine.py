@@ -20,6 +20,7 @@ import socket
 import subprocess
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 # Debian packages the engine needs (scripts/test installs them as root when they are missing).
@@ -181,8 +182,29 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         self.sock.connect(self.path)
 
 
+# Docker's `start_interval`: while a container's start period lasts and no check has passed yet,
+# check this often, so a service is seen healthy seconds after it is, not an interval later.
+START_INTERVAL_S = 2.0
+
+
+@dataclass
+class Schedule:
+    """When one container's health check runs next (Docker's rules, seconds on the monotonic clock)."""
+
+    interval_s: float
+    start_period_s: float
+    seen_at: float
+    due_at: float = 0.0
+    passed: bool = False
+
+    def after_check(self, now: float, passed: bool) -> None:
+        self.passed = self.passed or passed
+        starting = not self.passed and now < self.seen_at + self.start_period_s
+        self.due_at = now + (min(START_INTERVAL_S, self.interval_s) if starting else self.interval_s)
+
+
 class HealthChecks(threading.Thread):
-    """Run the health checks of one compose project's containers, each at its own interval."""
+    """Run the health checks of one compose project's containers on Docker's schedule."""
 
     def __init__(self, engine: PodmanEngine, project: str, poll_s: float = 1.0) -> None:
         super().__init__(name=f"health-{project}", daemon=True)
@@ -190,8 +212,7 @@ class HealthChecks(threading.Thread):
         self.project = project
         self.poll_s = poll_s
         self.halt = threading.Event()
-        self.intervals: dict[str, float] = {}
-        self.due: dict[str, float] = {}
+        self.schedules: dict[str, Schedule | None] = {}
         self.failures: list[str] = []
 
     def run(self) -> None:
@@ -203,29 +224,28 @@ class HealthChecks(threading.Thread):
 
     def check_due(self) -> None:
         listed = self.engine.podman(
-            "ps",
-            "--filter",
-            f"label=com.docker.compose.project={self.project}",
-            "--format",
-            "{{.ID}}",
-            timeout=30,
-        )
-        now = time.monotonic()
+            "ps", "--filter", f"label=com.docker.compose.project={self.project}", "--format", "{{.ID}}", timeout=30
+        )  # fmt: skip
         for cid in listed.stdout.decode().split():
-            interval = self.interval_of(cid)
-            if interval and now >= self.due.get(cid, 0):
-                self.due[cid] = now + interval
-                self.engine.podman("healthcheck", "run", cid, timeout=60, check=False)
+            schedule = self.schedule_of(cid)
+            now = time.monotonic()
+            if schedule is not None and now >= schedule.due_at:
+                done = self.engine.podman("healthcheck", "run", cid, timeout=60, check=False)
+                schedule.after_check(time.monotonic(), done.returncode == 0)
 
-    def interval_of(self, cid: str) -> float:
-        if cid not in self.intervals:
+    def schedule_of(self, cid: str) -> Schedule | None:
+        """None for a container without a health check."""
+        if cid not in self.schedules:
             done = self.engine.podman("inspect", "--format", "{{json .Config.Healthcheck}}", cid, check=False)
             check = json.loads(done.stdout or b"null") if done.returncode == 0 else None
-            # Docker's default interval is 30 s; compose files here give each one explicitly.
-            self.intervals[cid] = (
-                (check.get("Interval") or 30e9) / 1e9 if check and check.get("Test") else 0.0
-            )
-        return self.intervals[cid]
+            if not check or not check.get("Test") or check["Test"][0] == "NONE":
+                self.schedules[cid] = None
+            else:
+                # Docker's defaults: interval 30 s, no start period (durations are nanoseconds).
+                interval = (check.get("Interval") or 30e9) / 1e9
+                start_period = (check.get("StartPeriod") or 0) / 1e9
+                self.schedules[cid] = Schedule(interval, start_period, seen_at=time.monotonic())
+        return self.schedules[cid]
 
     def stop(self) -> None:
         self.halt.set()
