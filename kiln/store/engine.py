@@ -1,7 +1,8 @@
 """Engines, sessions and schema upgrades for the job store (docs/ARCHITECTURE.md#job-store).
 
 Postgres in production (psycopg 3), SQLite as the embedded default. Production creates and
-upgrades the schema with Alembic (`upgrade_database`), never with `create_all`.
+upgrades the schema with Alembic (`upgrade_database`), never with `create_all`, after
+`wait_for_database` has seen the server answer (a container's database may still be starting).
 
 Transactions: store functions never commit; the caller owns the transaction, e.g.
 `with factory.begin() as session: claim_job(session, ...)`. Keep transactions short (no
