@@ -61,17 +61,23 @@ def read_links() -> frozenset[str]:
     return frozenset(os.listdir("/sys/class/net"))
 
 
+# The engine's helper programs; aardvark-dns (the networks' DNS) names no path of the engine's own.
+ENGINE_PROGRAMS = frozenset({"podman", "conmon", "netavark", "aardvark-dns"})
+
+
 def processes_using(marker: str) -> dict[int, str]:
-    """pid -> command line of every process whose command line mentions `marker`."""
+    """pid -> command line of every process whose command line mentions `marker`, or that runs
+    one of the engine's programs."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            program = (entry / "comm").read_text().strip()
         except OSError:
             continue
-        if marker in cmdline:
+        if cmdline and (marker in cmdline or program in ENGINE_PROGRAMS):
             found[int(entry.name)] = cmdline.strip()
     return found
 

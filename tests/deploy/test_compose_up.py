@@ -217,10 +217,11 @@ class EndToEnd:
             self.engine.podman("image", "prune", "--force", timeout=300, check=False)
         self.engine.stop()
         # conmon processes of finished exec sessions linger for containers.conf's exit_command_delay.
+        before = self.host_before.pids if self.host_before is not None else frozenset()
         deadline = time.monotonic() + 30
-        while processes_using(str(CACHE)) and time.monotonic() < deadline:
+        while set(processes_using(str(CACHE))) - before and time.monotonic() < deadline:
             time.sleep(1)
-        stray = processes_using(str(CACHE))
+        stray = {pid: cmd for pid, cmd in processes_using(str(CACHE)).items() if pid not in before}
         problems += [f"process {pid} still running: {cmd[:200]}" for pid, cmd in stray.items()]
         end_processes(list(stray))
         if self.host_before is not None:
