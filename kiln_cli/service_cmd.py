@@ -264,13 +264,26 @@ def register_db(cli: click.Group) -> None:
     @db.command("upgrade")
     @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="Path to kiln.toml.")
     @click.option("--revision", default="head", show_default=True, help="Target revision.")
-    def upgrade(config_file: str | None, revision: str) -> None:
+    @click.option(
+        "--wait",
+        "wait_s",
+        type=click.FloatRange(min=0),
+        default=0,
+        show_default=True,
+        help="Seconds to keep retrying a database server that cannot be reached yet (still starting).",
+    )
+    def upgrade(config_file: str | None, revision: str, wait_s: float) -> None:
         """Create or migrate the job database's schema to REVISION."""
-        from kiln.store import current_revision, make_engine, upgrade_database
+        from kiln.store import current_revision, make_engine, upgrade_database, wait_for_database
 
         settings = load_or_exit(config_file).settings
         ensure_dirs_or_exit("db upgrade", settings)
         with database_errors("db upgrade", settings):
+            wait_for_database(
+                settings.database_url,
+                wait_s,
+                report=lambda line: click.echo(f"kiln db upgrade: {line}", err=True),
+            )
             upgrade_database(settings.database_url, revision)
             engine = make_engine(settings.database_url)
             try:

@@ -34,8 +34,15 @@ from kiln.store.engine import (
     normalize_url,
     session_factory,
     upgrade_database,
+    wait_for_database,
 )
-from kiln.store.errors import IdempotencyKeyTaken, InvalidTransition, LeaseLost, StoreError
+from kiln.store.errors import (
+    DatabaseUnavailable,
+    IdempotencyKeyTaken,
+    InvalidTransition,
+    LeaseLost,
+    StoreError,
+)
 from kiln.store.events import append_event, last_event, list_events
 from kiln.store.jobs import (
     CANCELLED,
@@ -98,6 +105,7 @@ __all__ = [
     "Admission",
     "Base",
     "Checkpoint",
+    "DatabaseUnavailable",
     "IdempotencyKeyTaken",
     "InvalidTransition",
     "Job",
@@ -176,4 +184,5 @@ __all__ = [
     "record_evaluation",
     "validation_histories",
     "validation_history",
+    "wait_for_database",
 ]

@@ -1,7 +1,8 @@
 """Engines, sessions and schema upgrades for the job store (docs/ARCHITECTURE.md#job-store).
 
 Postgres in production (psycopg 3), SQLite as the embedded default. Production creates and
-upgrades the schema with Alembic (`upgrade_database`), never with `create_all`.
+upgrades the schema with Alembic (`upgrade_database`), never with `create_all`, after
+`wait_for_database` has seen the server answer (a container's database may still be starting).
 
 Transactions: store functions never commit; the caller owns the transaction, e.g.
 `with factory.begin() as session: claim_job(session, ...)`. Keep transactions short (no
@@ -26,6 +27,8 @@ SQLite specifics, and why:
 from __future__ import annotations
 
 import importlib.util
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from alembic import command
@@ -36,12 +39,24 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import NullPool
 
+from kiln.store.errors import DatabaseUnavailable
 from kiln.store.models import Base
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 IDLE_IN_TRANSACTION_TIMEOUT = "25P03"  # Postgres' SQLSTATE for a session it ended that way
 ALEMBIC_URL_ATTRIBUTE = "kiln_database_url"
+# wait_for_database: one attempt may take this long (a host that drops packets never refuses).
+CONNECT_ATTEMPT_TIMEOUT_S = 5
+WAIT_REPORT_EVERY_S = 10.0
+# libpq's words for a server that answered and said no: waiting would not change the answer.
+REFUSALS = (
+    "password authentication failed",
+    "does not exist",
+    "no pg_hba.conf entry",
+    "no password supplied",
+)
 
 
 def normalize_url(url: str) -> str:
@@ -122,6 +137,57 @@ def session_factory(engine: Engine) -> sessionmaker[Session]:
 def create_all_for_tests(engine: Engine) -> None:
     """Create the tables straight from the models. Tests only: production runs `upgrade_database`."""
     Base.metadata.create_all(engine)
+
+
+def wait_for_database(
+    url: str, timeout_s: float, *, poll_s: float = 1.0, report: Callable[[str], None] | None = None
+) -> int:
+    """Connect to the database server at `url`, retrying for up to `timeout_s` seconds while it
+    cannot be reached; return the number of attempts (docs/deployment.md#startup-order).
+
+    A server that is still starting (connection refused, a host name the container network does
+    not resolve yet, "the database system is starting up") is retried every `poll_s`; `report`
+    gets one line at the first failure and every ~10 s after. A server that answers with a
+    refusal (bad password, unknown database or role) fails at once with its OperationalError.
+    Once the time is up, DatabaseUnavailable carries the last reason. SQLite needs no server:
+    nothing to wait for."""
+    normalized = normalize_url(url)
+    if make_url(normalized).get_backend_name() == "sqlite":
+        return 0
+    engine = create_engine(normalized, poolclass=NullPool, connect_args=_connect_timeout(normalized))
+    started = time.monotonic()
+    attempts, reported = 0, None
+    try:
+        while True:
+            attempts += 1
+            try:
+                with engine.connect():
+                    return attempts
+            except sa_exc.OperationalError as exc:
+                reason = _first_line(exc)
+                if timeout_s <= 0 or any(words in reason for words in REFUSALS):
+                    raise
+                waited = time.monotonic() - started
+                left = timeout_s - waited
+                if left <= 0:
+                    raise DatabaseUnavailable(reason, waited, attempts) from exc
+                if report is not None and (reported is None or waited - reported >= WAIT_REPORT_EVERY_S):
+                    reported = waited
+                    report(f"waiting for the job database ({reason}); {left:.0f} s left")
+            time.sleep(min(poll_s, left))
+    finally:
+        engine.dispose()
+
+
+def _connect_timeout(url: str) -> dict:
+    if make_url(url).get_backend_name() == "postgresql":
+        return {"connect_timeout": CONNECT_ATTEMPT_TIMEOUT_S}
+    return {}
+
+
+def _first_line(exc: sa_exc.OperationalError) -> str:
+    lines = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 def migrations_dir() -> Path:

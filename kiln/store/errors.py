@@ -51,3 +51,18 @@ class IdempotencyKeyTaken(StoreError):
     def __init__(self, key: str) -> None:
         self.key = key
         super().__init__(f"idempotency key {key!r} already names a job")
+
+
+class DatabaseUnavailable(sa_exc.OperationalError):
+    """The job database did not answer within the time `wait_for_database` was given.
+
+    An OperationalError like the connection failure it ends, so whatever reports those (the CLI's
+    one-line database errors) reports this one too; its message adds how long it waited."""
+
+    def __init__(self, reason: str, waited_s: float, attempts: int) -> None:
+        self.reason = reason
+        self.waited_s = waited_s
+        self.attempts = attempts
+        tries = f"{attempts} attempt{'' if attempts == 1 else 's'}"
+        message = f"{reason} (no answer after waiting {waited_s:.0f} s, {tries})"
+        super().__init__(None, None, ConnectionError(message))

@@ -168,6 +168,22 @@ def test_a_database_that_is_down_is_one_line(tmp_path, command):
     assert "secret" not in result.output
 
 
+def test_db_upgrade_waits_for_a_database_that_is_down_then_says_how_long(tmp_path):
+    env = {"KILN_STORAGE_ROOT": str(tmp_path / "s"), "KILN_DATABASE_URL": DOWN_POSTGRES}
+    started = time.monotonic()
+    result = invoke(["db", "upgrade", "--wait", "2"], env=env)
+    assert time.monotonic() - started >= 1.5
+    assert_clean_exit(
+        result,
+        2,
+        "kiln db upgrade: waiting for the job database (",
+        "kiln db upgrade: job database postgresql+psycopg://kiln:***@127.0.0.1:9/kiln:",
+        "(no answer after waiting 2 s, ",
+        "check database.url (KILN_DATABASE_URL)",
+    )
+    assert "secret" not in result.output
+
+
 def test_a_database_url_sqlalchemy_cannot_use(tmp_path):
     env = {"KILN_STORAGE_ROOT": str(tmp_path / "s"), "KILN_DATABASE_URL": "bogus://x"}
     result = invoke(["db", "upgrade"], env=env)
