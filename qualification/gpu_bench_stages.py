@@ -293,12 +293,22 @@ def transformers_stage(job: dict, stage: dict, peak_flops: float) -> dict:
     flops = step_flops(shape, length, length - half - 1)
     top = peak_bytes(device)
     row = {"side": "transformers+peft", "length": length, "budget_gib": None, "segments": 1}
+    row["gdn_path"] = transformers_gdn_path()
     return {
         **row,
         **figures(step_s, length, flops, peak_flops, top, top - baseline, None),
         "timed_steps": len(timed),
         "status": "ok",
     }
+
+
+def transformers_gdn_path() -> str:
+    """The gated delta rule transformers resolved when it imported: fla's kernel or its torch form."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    cells = modeling_qwen3_5.torch_chunk_gated_delta_rule.__closure__ or ()
+    modules = {getattr(c.cell_contents, "__module__", "") for c in cells if callable(c.cell_contents)}
+    return "fla" if any(m.startswith("fla.") for m in modules) else "torch"
 
 
 class _Args:
@@ -347,7 +357,7 @@ def run_worker(job: dict) -> None:
         if reason is not None:
             emit(STAGE, {**row, "status": f"skipped: {reason}"})
         else:
-            emit(STAGE, {**transformers_stage(job, stage, peak_flops), **row})
+            emit(STAGE, {**row, **transformers_stage(job, stage, peak_flops)})
         return
     resident = load_kiln(job["model_dir"], job["device"])
     paths = resident.kernel_paths

@@ -1,4 +1,6 @@
-"""The kernel tests run Kiln's Triton kernels on the CPU through Triton's interpreter.
+"""Where the kernel tests run: without CUDA, Kiln's Triton kernels run on the CPU through Triton's
+interpreter; with CUDA they compile for the GPU, the `gpu`-marked tests (test_kernels_gpu.py) run
+them there, and the interpreter tests (which hand the kernels CPU tensors) are skipped.
 
 `TRITON_INTERPRET` is read when a kernel is decorated, so it is set before any kernel module is
 imported; a kernel module imported earlier without it is reloaded.
@@ -10,14 +12,19 @@ import importlib
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
 
+INTERPRETED = not torch.cuda.is_available()
 KERNEL_MODULES = (
     "kiln_train.kernels.rms_norm",
     "kiln_train.kernels.gated_norm",
     "kiln_train.kernels.swiglu",
     "kiln_train.kernels.causal_conv",
 )
+
+if INTERPRETED:
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def _interpret_kernel_modules() -> None:
@@ -29,4 +36,15 @@ def _interpret_kernel_modules() -> None:
             importlib.reload(module)
 
 
-_interpret_kernel_modules()
+if INTERPRETED:
+    _interpret_kernel_modules()
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if INTERPRETED:
+        return
+    skip = pytest.mark.skip(reason="an interpreter test on CPU tensors; test_kernels_gpu.py covers CUDA")
+    here = os.path.dirname(__file__)
+    for item in items:
+        if str(item.fspath).startswith(here) and "gpu" not in item.keywords:
+            item.add_marker(skip)
