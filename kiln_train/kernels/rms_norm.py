@@ -11,22 +11,26 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln_train.kernels.layout import as_rows, check_kernel_input, programs, row_blocks, warps_for
+from kiln_train.kernels.layout import (
+    as_rows,
+    check_kernel_input,
+    launch_rows,
+    load_tile,
+    rms_backward,
+    row_tile,
+    store_tile,
+)
 
 
 @triton.jit
 def _forward_kernel(
     X, W, Y, RSTD, n_rows, width, stride_x, stride_y, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr
 ):
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    row_ok, col_ok = rows < n_rows, cols < width
-    mask = row_ok[:, None] & col_ok[None, :]
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rows, cols, row_ok, col_ok, mask = row_tile(n_rows, width, BLOCK_R, BLOCK_D)
+    x = load_tile(X, rows, cols, stride_x, mask)
     scale = 1.0 + tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / width + eps)
-    y = x * rstd[:, None] * scale[None, :]
-    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    store_tile(Y, rows, cols, stride_y, mask, x * rstd[:, None] * scale[None, :])
     tl.store(RSTD + rows, rstd, mask=row_ok)
 
 
@@ -45,20 +49,14 @@ def _backward_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    row_ok, col_ok = rows < n_rows, cols < width
-    mask = row_ok[:, None] & col_ok[None, :]
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rows, cols, row_ok, col_ok, mask = row_tile(n_rows, width, BLOCK_R, BLOCK_D)
+    x = load_tile(X, rows, cols, stride_x, mask)
+    dy = load_tile(DY, rows, cols, stride_dy, mask)
     scale = 1.0 + tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
-    x_hat = x * rstd[:, None]
-    g = dy * scale[None, :]
-    # d/dx of x·rstd: rstd·(g − x̂·mean(g·x̂))
-    mean_gx = tl.sum(g * x_hat, axis=1) / width
-    dx = rstd[:, None] * (g - x_hat * mean_gx[:, None])
-    tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    store_tile(
+        DX, rows, cols, stride_dx, mask, rms_backward(dy * scale[None, :], x * rstd[:, None], rstd, width)
+    )
 
 
 class OffsetRmsNorm(torch.autograd.Function):
@@ -68,10 +66,9 @@ class OffsetRmsNorm(torch.autograd.Function):
         n_rows, width = rows.shape
         y = torch.empty((n_rows, width), dtype=x.dtype, device=x.device)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        block_r, block_d = row_blocks(width)
-        _forward_kernel[programs(n_rows, block_r)](
+        launch_rows(
+            _forward_kernel, n_rows, width,
             rows, weight, y, rstd, n_rows, width, rows.stride(0), y.stride(0), eps,
-            BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps_for(block_r * block_d),
         )  # fmt: skip
         ctx.save_for_backward(rows, weight, rstd)
         return y.view(x.shape)
@@ -82,10 +79,9 @@ class OffsetRmsNorm(torch.autograd.Function):
         n_rows, width = rows.shape
         dy_rows = as_rows(dy)
         dx = torch.empty((n_rows, width), dtype=rows.dtype, device=rows.device)
-        block_r, block_d = row_blocks(width)
-        _backward_kernel[programs(n_rows, block_r)](
+        launch_rows(
+            _backward_kernel, n_rows, width,
             dy_rows, rows, weight, rstd, dx, n_rows, width, dy_rows.stride(0), rows.stride(0), dx.stride(0),
-            BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps_for(block_r * block_d),
         )  # fmt: skip
         return dx.view(dy.shape), None, None
 
