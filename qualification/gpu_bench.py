@@ -291,7 +291,7 @@ def report(args, preset: Preset, ready: dict | None, rows: list[dict], seconds: 
         for op, why in sorted(ready["kernel_reasons"].items()):
             print(f"#   {op}: {why}")
         dtype = "bf16" if args.device.startswith("cuda") else "f32"
-        print(f"# peak: {peak:.1f} TFLOP/s ({dtype} matmul measured in this run); run took {seconds:.0f} s")
+        print(f"# peak: {peak:.3g} TFLOP/s ({dtype} matmul measured in this run); run took {seconds:.0f} s")
     for op, times in sorted((kernels or {}).items()):
         print(
             f"# kernel {op} forward+backward at T={preset.lengths[0]}: "

@@ -15,6 +15,8 @@ prints is relayed as a comment. Imports torch.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
 import json
 import statistics
 import sys
@@ -46,6 +48,9 @@ def reset_peak(device: torch.device) -> int:
         torch.cuda.empty_cache()  # a 24 GiB budget must not see the last stage's cached blocks
         torch.cuda.reset_peak_memory_stats(device)
         return torch.cuda.memory_allocated(device)
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # freed heap pages would serve the run unseen
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     with contextlib.suppress(OSError):  # reset VmHWM to the current RSS where the kernel allows it
         Path("/proc/self/clear_refs").write_text("5")
     return _status_kib("VmRSS") * 1024
