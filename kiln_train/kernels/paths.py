@@ -1,11 +1,11 @@
 """Which implementation runs each fused operation of the model: the kernel paths a runner
 executes with (docs/kernels.md#kernel-paths).
 
-The paths are chosen once per process by the backend (`kiln_train.kernels.choice`), never by a
-request; they are recorded in the execution provenance (`kernels.paths`, and one
-`compiled_features` entry each), the receipt (which carries the provenance) and every checkpoint's
-planning identity, so a resume under another set is planning drift. Torch-free: the checkpoint
-rules and the worker's dequeue check read these names without loading torch.
+The paths are chosen once per process by the backend (`kiln_train.model.kernel_choice`), never
+by a request; they are recorded in the execution provenance (`kernels.paths`, and one
+`compiled_features` entry each), the receipt (which carries the provenance) and every
+checkpoint's planning identity, so a resume under another set is planning drift. Torch-free: the
+checkpoint rules and the worker's dequeue check read these names without loading torch.
 """
 
 from __future__ import annotations

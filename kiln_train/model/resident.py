@@ -99,8 +99,8 @@ def load_resident(
     """Load the model, tokenizer and training template, and compute the execution identity."""
     from kiln_train.data.chat_template import load_model_chat_template, select_training_template
     from kiln_train.data.tokenizer import load_tokenizer
-    from kiln_train.kernels.choice import choose_kernel_paths, use_kernel_paths
     from kiln_train.model import load_model
+    from kiln_train.model.kernel_choice import choose_kernel_paths, use_kernel_paths
 
     model_dir = Path(model_dir).resolve()
     backend = backend_for_device(device)

@@ -4,7 +4,14 @@ reference's own error)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+
+# The interpreter tests hand the kernels CPU tensors: with CUDA the kernels compile for the GPU
+# instead, and test_kernels_gpu.py covers them there.
+interpreted_only = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="an interpreter test; test_kernels_gpu.py covers CUDA"
+)
 
 
 def forward_backward(fn, inputs: list[torch.Tensor], cotangent: torch.Tensor) -> list[torch.Tensor]:

@@ -12,8 +12,11 @@ from kiln_train.model.gdn import CausalDepthwiseConv
 from tests.kiln_train.kernels.kernel_support import (
     assert_bf16_as_accurate,
     assert_f32_agrees,
+    interpreted_only,
     saved_tensors,
 )
+
+pytestmark = interpreted_only
 
 
 def _conv(channels, kernel, dtype, seed=0):

@@ -11,8 +11,11 @@ from kiln_train.model.norms import gated_rms_norm
 from tests.kiln_train.kernels.kernel_support import (
     assert_bf16_as_accurate,
     assert_f32_agrees,
+    interpreted_only,
     saved_tensors,
 )
+
+pytestmark = interpreted_only
 
 EPS = 1e-6
 

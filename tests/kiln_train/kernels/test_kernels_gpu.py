@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln_train.kernels import choice
 from kiln_train.kernels.causal_conv import causal_conv1d_silu
 from kiln_train.kernels.gated_norm import gated_rms_norm as fused_gated
 from kiln_train.kernels.paths import FUSED_OPS, TRITON, KernelPaths
 from kiln_train.kernels.rms_norm import rms_norm_offset as fused_rms
 from kiln_train.kernels.swiglu import silu_mul as fused_silu_mul
 from kiln_train.model import Qwen35Model, attach_lora, load_tensors_into
+from kiln_train.model import kernel_choice as choice
 from kiln_train.model.config import QWEN35_4B_TEXT_CONFIG, parse_config
 from kiln_train.model.gdn import CausalDepthwiseConv
 from kiln_train.model.mlp import silu_mul

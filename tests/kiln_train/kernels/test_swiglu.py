@@ -13,8 +13,11 @@ from kiln_train.model.mlp import silu_mul as reference
 from tests.kiln_train.kernels.kernel_support import (
     assert_bf16_as_accurate,
     assert_f32_agrees,
+    interpreted_only,
     saved_tensors,
 )
+
+pytestmark = interpreted_only
 
 
 def _inputs(shape, dtype, seed=0):

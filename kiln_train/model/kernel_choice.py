@@ -85,7 +85,7 @@ def triton_unusable_reason(dtype: torch.dtype) -> str | None:
 
 
 def _disagreement(op: str, config: Qwen35Config, device: torch.device, dtype: torch.dtype) -> str | None:
-    from kiln_train.kernels.agreement import disagreement
+    from kiln_train.model.kernel_agreement import disagreement
 
     return disagreement(op, config, device, dtype)
 

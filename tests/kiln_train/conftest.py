@@ -1,6 +1,6 @@
-"""Where the kernel tests run: without CUDA, Kiln's Triton kernels run on the CPU through Triton's
-interpreter; with CUDA they compile for the GPU, the `gpu`-marked tests (test_kernels_gpu.py) run
-them there, and the interpreter tests (which hand the kernels CPU tensors) are skipped.
+"""Without CUDA, Kiln's Triton kernels run on the CPU through Triton's interpreter in these tests
+(docs/kernels.md#kernels); with CUDA they compile for the GPU, the interpreter tests (which hand
+the kernels CPU tensors) skip, and tests/kiln_train/kernels/test_kernels_gpu.py runs them there.
 
 `TRITON_INTERPRET` is read when a kernel is decorated, so it is set before any kernel module is
 imported; a kernel module imported earlier without it is reloaded.
@@ -12,7 +12,6 @@ import importlib
 import os
 import sys
 
-import pytest
 import torch
 
 INTERPRETED = not torch.cuda.is_available()
@@ -23,11 +22,9 @@ KERNEL_MODULES = (
     "kiln_train.kernels.causal_conv",
 )
 
-if INTERPRETED:
-    os.environ["TRITON_INTERPRET"] = "1"
-
 
 def _interpret_kernel_modules() -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
     from triton.runtime.interpreter import InterpretedFunction
 
     for name in KERNEL_MODULES:
@@ -38,13 +35,3 @@ def _interpret_kernel_modules() -> None:
 
 if INTERPRETED:
     _interpret_kernel_modules()
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    if INTERPRETED:
-        return
-    skip = pytest.mark.skip(reason="an interpreter test on CPU tensors; test_kernels_gpu.py covers CUDA")
-    here = os.path.dirname(__file__)
-    for item in items:
-        if str(item.fspath).startswith(here) and "gpu" not in item.keywords:
-            item.add_marker(skip)

@@ -11,7 +11,6 @@ import sys
 import pytest
 import torch
 
-from kiln_train.kernels import choice
 from kiln_train.kernels.paths import (
     CAUSAL_CONV1D_SILU,
     FUSED_OPS,
@@ -24,8 +23,12 @@ from kiln_train.kernels.paths import (
     TRITON,
 )
 from kiln_train.model import Qwen35Model, attach_lora, load_tensors_into
+from kiln_train.model import kernel_choice as choice
 from kiln_train.model.config import parse_config
 from kiln_train.model.tiny import random_tensors, text_config, wrapper_config
+from tests.kiln_train.kernels.kernel_support import interpreted_only
+
+pytestmark = interpreted_only
 
 CPU = torch.device("cpu")
 
