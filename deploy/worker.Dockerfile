@@ -1,5 +1,6 @@
-# The GPU worker: CUDA torch (PyPI's default Linux wheel of torch 2.13.0 bundles CUDA) and the
-# optional flash-linear-attention kernels for the Gated DeltaNet layers.
+# The GPU worker: CUDA torch (PyPI's default Linux wheel of torch 2.13.0 bundles CUDA and pins
+# Triton 3.7.1), Kiln's Triton kernels and flash-linear-attention's kernels for the Gated DeltaNet
+# layers (the `gpu` extra).
 FROM python:3.11-slim-bookworm
 ARG KILN_TORCH_SPEC="torch==2.13.0"
 ARG KILN_EXTRAS="train,gpu"
@@ -23,7 +24,12 @@ COPY migrations ./migrations
 # A home directory (the tokenizer cache of `kiln model init-tiny`, Triton's kernel cache) and the
 # mount points owned by kiln: an empty named volume takes the ownership of its mount point, so
 # the `models` volume stays writable for the CPU override's `kiln model init-tiny`.
-RUN pip install -c constraints.txt ".[${KILN_EXTRAS}]" && useradd --create-home --uid 10001 kiln \
+# With the gpu extra the build fails unless Triton passes flash-linear-attention's Hopper guard and
+# fla's kernels import (docs/kernels.md#where-each-path-runs): otherwise the worker would train on
+# the slower torch paths without anyone asking for it.
+RUN pip install -c constraints.txt ".[${KILN_EXTRAS}]" \
+    && case ",${KILN_EXTRAS}," in *,gpu,*) python -m kiln_train.kernels.toolchain ;; esac \
+    && useradd --create-home --uid 10001 kiln \
     && mkdir -p /var/lib/kiln /models && chown kiln /var/lib/kiln /models
 USER kiln
 CMD ["kiln", "worker"]

@@ -346,6 +346,14 @@ def run_parity(args) -> None:
                 strict=False,
             )
             vocab = ref32.config.vocab_size
+            # One bf16 model per GDN path for every T (loading one per T doubled the stage's time).
+            ours_models = {}
+            for impl in impls:
+                ours = load_model(path, device=device)
+                ours.set_gdn_impl(impl)
+                lora = attach_lora(ours, 8, 16.0, 0)
+                lora.load_state_dict(lora32.state_dict())
+                ours_models[impl] = (ours, lora)
             for t in (1, 100, 300):
                 ids = torch.randint(
                     0, min(vocab, 248000), (1, t), generator=torch.Generator().manual_seed(t)
@@ -358,11 +366,7 @@ def run_parity(args) -> None:
                     p.grad = None
                 with torch.no_grad():
                     theirs = hf(ids).logits
-                for impl in impls:
-                    ours = load_model(path, device=device)
-                    ours.set_gdn_impl(impl)
-                    lora = attach_lora(ours, 8, 16.0, 0)
-                    lora.load_state_dict(lora32.state_dict())
+                for impl, (ours, lora) in ours_models.items():
                     logits = ours.logits(ids)
                     loss = _parity_loss(logits, ids)
                     loss.backward()
@@ -378,7 +382,9 @@ def run_parity(args) -> None:
                         f"| {name} | {t} | {impl} | {_rel(logits, ref_logits):.2e} | {_rel(theirs, ref_logits):.2e} "
                         f"| {_rel(logits, theirs):.2e} | {grad_err:.2e} |"
                     )
-                    del ours, lora
+                    for p in lora.parameters():
+                        p.grad = None
+            del ours_models
 
 
 def main() -> None:

@@ -40,6 +40,7 @@ PACKAGE_MAY_IMPORT = {
 KILN_TRAIN_FLOORS = (
     ("errors.py", "__init__.py"),
     ("ground",),
+    ("kernels",),
     ("sft_config.py",),
     ("data",),
     ("model",),

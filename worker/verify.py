@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 from kiln import store
 from kiln.settings import Settings
 from kiln_train import checkpoint as ckpt
+from kiln_train.checkpoint.resume_expectation import first_difference
 from kiln_train.data.ingestion import IngestionResult, ingest_examples, ingest_jsonl, resolve_dataset_path
 from kiln_train.data.validation import ValidationSet, prepare_validation
 from kiln_train.errors import KilnError
@@ -131,10 +132,27 @@ def verify_plan(pinned: PinnedJob, resident: ResidentModel, settings: Settings) 
     if config.learning_rate is None:
         raise PlanDrift("learning_rate", "the pinned effective config has no resolved learning rate")
     resume, manifest = _verify_resume(pinned, config, settings)
+    if manifest is not None:
+        _verify_resume_kernel_paths(manifest, resident)
     ingestion, validation = _reingest(pinned, resident, settings, config)
     if manifest is not None:
         _verify_resume_validation(manifest, validation)
     return VerifiedWork(config, ingestion, resume, dict(pinned.checkpoint_plan), validation)
+
+
+def _verify_resume_kernel_paths(manifest: ckpt.CheckpointManifest, resident: ResidentModel) -> None:
+    """A resume continues on the kernel paths its checkpoint trained with (docs/kernels.md#checkpoints):
+    another GDN path or kernel set computes other bits, so it is planning drift."""
+    identity = manifest.auxiliary_state.get("training_runtime_planning_identity")
+    recorded = identity.get(ckpt.PLANNING_KERNEL_PATHS_KEY) if isinstance(identity, dict) else None
+    found = first_difference("kernel_paths", recorded, resident.kernel_paths.to_dict())
+    if found is not None:
+        where, theirs, ours = found
+        raise PlanDrift(
+            "kernel_paths",
+            f"the checkpoint trained with {where} = {theirs!r} but this runner executes {ours!r}; "
+            "a resume under another GDN path or kernel set is planning drift",
+        )
 
 
 def _verify_resume_validation(manifest: ckpt.CheckpointManifest, validation: ValidationSet | None) -> None:

@@ -139,6 +139,7 @@ def runtime_versions() -> dict[str, str]:
         "numpy",
         "flash-linear-attention",
         "fla-core",
+        "triton",
     ):
         try:
             versions[dist] = metadata.version(dist)
@@ -156,14 +157,21 @@ def execution_provenance(
     compiled_features: list[str],
     server_config: dict,
     environ: dict[str, str] | None = None,
+    kernel_paths: dict[str, str] | None = None,
 ) -> dict:
-    """`kiln.execution-provenance.v1`; `provenance_sha256` covers every other field."""
+    """`kiln.execution-provenance.v1`; `provenance_sha256` covers every other field.
+
+    `kernel_paths` (additive within version 1): the implementation of each fused operation, as
+    `kiln_train.kernels.paths.KernelPaths.to_dict` gives it (docs/kernels.md#kernel-paths).
+    """
     versions = runtime_versions()
     kernels = {
         "contract_type": KERNEL_CONTRACT,
         "versions": versions,
         "compiled_features": sorted(compiled_features),
     }
+    if kernel_paths is not None:
+        kernels["paths"] = dict(sorted(kernel_paths.items()))
     kernels["contract_sha256"] = json_sha256(kernels)
     prov = {
         "schema_version": 1,

@@ -70,6 +70,9 @@ ROUND_TO_NEAREST = "round_to_nearest"
 # ----- SFT auxiliary state (docs/checkpoints.md#bound-identities) ---------------------------------
 SFT_LOOP_STATE_TYPE = "kiln.sft-loop-state.v1"
 SFT_PLANNING_SCHEMA = "kiln.training-checkpoint-planning.v4"
+# The planning identity's record of the kernel paths the run executed with (operation -> path,
+# docs/kernels.md#kernel-paths); a resume under other paths is planning drift.
+PLANNING_KERNEL_PATHS_KEY = "kernel_paths"
 SFT_AUXILIARY_KEYS = (
     "loop_state_type",
     "model_config_sha256",

@@ -213,6 +213,13 @@ def compare_for_resume(manifest: CheckpointManifest, expected: ResumeExpectation
         ours_aux.get("base_model_weights_sha256", _ABSENT),
         theirs_aux.get("base_model_weights_sha256", _ABSENT),
     )
+    # The planning identity (loss route, kernel paths) before the provenance digest that also
+    # covers the kernel paths: a resume under another GDN path or kernel set names the operation.
+    _require_equal(
+        "auxiliary_state.training_runtime_planning_identity",
+        ours_aux.get("training_runtime_planning_identity", _ABSENT),
+        theirs_aux.get("training_runtime_planning_identity", _ABSENT),
+    )
     _require_equal(
         "auxiliary_state.execution_provenance.provenance_sha256",
         _get(ours_aux, "execution_provenance", "provenance_sha256"),

@@ -27,6 +27,7 @@ from kiln_train.checkpoint.manifest import (
     CHECKPOINT_PLAN_KEYS,
     MAX_FILES,
     MAX_RELPATH_BYTES,
+    PLANNING_KERNEL_PATHS_KEY,
     RESERVED_NAMES,
     ROUND_TO_NEAREST,
     SFT_AUXILIARY_KEYS,
@@ -42,6 +43,7 @@ from kiln_train.checkpoint.manifest import (
     checkpoint_id_for,
 )
 from kiln_train.ground.backend import SFT_LOSS_ROUTES
+from kiln_train.kernels.paths import check_kernel_paths
 from kiln_train.sft_config import SftConfig, describe_validation_error
 
 
@@ -410,6 +412,11 @@ def _check_planning_identity(identity: Any) -> None:
     route = identity.get("sft_loss_route")
     if route not in SFT_LOSS_ROUTES:
         raise CheckpointError(f"{field}.sft_loss_route: {route!r} is not one of {', '.join(SFT_LOSS_ROUTES)}")
+    if PLANNING_KERNEL_PATHS_KEY in identity:
+        try:
+            check_kernel_paths(identity[PLANNING_KERNEL_PATHS_KEY])
+        except ValueError as exc:
+            raise CheckpointError(f"{field}.{PLANNING_KERNEL_PATHS_KEY}: {exc}") from None
 
 
 def _non_empty_str(value: Any) -> bool:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln_train.kernels.paths import TORCH, TRITON
 from kiln_train.model.config import Qwen35Config
 from kiln_train.model.delta_rule import CHUNK_SIZE, IMPL_AUTO, gated_delta_rule, resolve_impl
 from kiln_train.model.linear import FrozenLinear
@@ -30,7 +31,12 @@ class GdnState:
 
 
 class CausalDepthwiseConv(nn.Module):
-    """`conv1d.weight` [C, 1, K]: c_t = Σ_j w[:, 0, j]·m_{t−(K−1)+j}, zero (or carried) before t = 0."""
+    """`conv1d.weight` [C, 1, K]: c_t = Σ_j w[:, 0, j]·m_{t−(K−1)+j}, zero (or carried) before t = 0.
+
+    Runs as Kiln's Triton kernel when the backend chose it (`kernel_path`, docs/kernels.md#kernel-paths).
+    """
+
+    kernel_path = TORCH
 
     def __init__(self, channels: int, kernel: int, *, device=None, dtype=None) -> None:
         super().__init__()
@@ -39,6 +45,10 @@ class CausalDepthwiseConv(nn.Module):
 
     def forward(self, m: torch.Tensor, prefix: torch.Tensor | None = None):
         """m [B, T, C] -> (silu(conv(m)) [B, T, C], the last K−1 inputs [B, K−1, C])."""
+        if self.kernel_path == TRITON:
+            from kiln_train.kernels.causal_conv import causal_conv1d_silu
+
+            return causal_conv1d_silu(m, self.weight, prefix)
         kern, t = self.kernel, m.shape[1]
         padded = F.pad(m, (0, 0, kern - 1, 0)) if prefix is None else torch.cat((prefix.to(m.dtype), m), 1)
         # K shifted multiply-adds in the [B, T, C] layout: no transposes, accumulated in fp32.

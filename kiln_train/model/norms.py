@@ -6,7 +6,8 @@
 
 Both normalise in fp32 (or f64 when the input is f64) and cast back to the input dtype in the same
 places transformers does, so bf16 runs round identically. The weights are frozen buffers, saved
-constants (docs/training-profile.md#frozen-base).
+constants (docs/training-profile.md#frozen-base). Each module runs its Triton kernel instead when
+the backend chose it (`kernel_path`, docs/kernels.md#kernel-paths).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kiln_train.kernels.paths import TORCH, TRITON
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -41,12 +44,18 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 class OffsetRMSNorm(nn.Module):
     """Block / final / q-k RMSNorm with a frozen offset weight buffer (`weight`)."""
 
+    kernel_path = TORCH
+
     def __init__(self, dim: int, eps: float, *, device=None, dtype=None) -> None:
         super().__init__()
         self.eps = eps
         self.register_buffer("weight", torch.zeros(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel_path == TRITON:
+            from kiln_train.kernels.rms_norm import rms_norm_offset as fused
+
+            return fused(x, self.weight, self.eps)
         return rms_norm_offset(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
@@ -56,12 +65,18 @@ class OffsetRMSNorm(nn.Module):
 class GatedRMSNorm(nn.Module):
     """GDN output norm with a frozen plain weight buffer (`weight`, initialised to ones)."""
 
+    kernel_path = TORCH
+
     def __init__(self, dim: int, eps: float, *, device=None, dtype=None) -> None:
         super().__init__()
         self.eps = eps
         self.register_buffer("weight", torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self.kernel_path == TRITON:
+            from kiln_train.kernels.gated_norm import gated_rms_norm as fused
+
+            return fused(x, gate, self.weight, self.eps)
         return gated_rms_norm(x, gate, self.weight, self.eps)
 
     def extra_repr(self) -> str:

@@ -258,6 +258,7 @@ def write_tiny_checkpoint(
     tokenizer=None,
     with_tokenizer: bool = True,
     chat_template: str = "think",
+    device: str = "cpu",
 ) -> Path:
     """Write a complete random Qwen3.5 checkpoint directory; returns its path.
 
@@ -265,7 +266,8 @@ def write_tiny_checkpoint(
     `tokenizer` is a prebuilt `tokenizers.Tokenizer` (building one takes ~3 s);
     `with_tokenizer=False` skips the tokenizer files (model-only tests); `chat_template` picks the
     official template the checkpoint ships: "think" (Qwen3.5-4B and larger) or "nothink" (2B and
-    smaller).
+    smaller). `device` draws the weights there (`random_tensors`): a GPU draws a 4B checkpoint in
+    seconds, other values than the CPU's.
     """
     from safetensors.torch import save_file
 
@@ -288,7 +290,9 @@ def write_tiny_checkpoint(
     storage = STORAGE_DTYPES.get(text["dtype"])
     if storage is None:
         raise ValueError(f"dtype {text['dtype']!r} is not one of {sorted(STORAGE_DTYPES)}")
-    save_file(random_tensors(cfg, seed, dtype=storage), str(weights), metadata={"format": "pt"})
+    tensors = {name: t.cpu() for name, t in random_tensors(cfg, seed, dtype=storage, device=device).items()}
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    del tensors
     weights.chmod(_readable_mode(0o644))  # safetensors creates it owner-only; share it like the rest
     if with_tokenizer:
         write_tokenizer(out, tokenizer)

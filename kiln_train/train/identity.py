@@ -55,6 +55,7 @@ def auxiliary_state(
             "sft_loss_route": route,
             "checkpoint_boundary_policy": checkpoint_boundary_policy(),
             "runtime_device": resident.backend.device,
+            ckpt.PLANNING_KERNEL_PATHS_KEY: resident.kernel_paths.to_dict(),
         },
         "valid_indices_sha256": json_sha256(sorted(r.row_index for r in ingestion.rows)),
         ckpt.CHECKPOINT_PLAN_AUX_KEY: recorded_plan(plan or default_checkpoint_plan(config)),

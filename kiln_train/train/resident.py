@@ -17,6 +17,7 @@ from kiln_train.artifacts.provenance import (
 )
 from kiln_train.data.tokenizer import TOKENIZER_FILE
 from kiln_train.ground.backend import Backend, backend_for_device
+from kiln_train.kernels.paths import KernelPaths
 from kiln_train.model.config import Qwen35Config
 
 
@@ -31,6 +32,7 @@ class ResidentModel:
     identity: dict  # model/tokenizer/template digests
     shard_manifest: dict
     provenance: dict
+    kernel_paths: KernelPaths  # what each fused operation runs on (docs/kernels.md#kernel-paths)
     device_name: str = "cpu"
     compiled_features: list[str] = field(default_factory=list)
 
@@ -69,17 +71,9 @@ def missing_device(device: str, fix: str = "train on device 'cpu' or where a GPU
     return None
 
 
-def compiled_features(backend: Backend) -> list[str]:
+def compiled_features(paths: KernelPaths) -> list[str]:
     """Kernel paths this process will execute with (recorded in the execution provenance)."""
-    features = ["torch-chunked-gdn", "sdpa-attention", "chunked-linear-ce"]
-    if backend.name == "cuda":
-        import torch
-
-        from kiln_train.model.delta_rule import canonical_device, fla_unusable_reason
-
-        if fla_unusable_reason(canonical_device(torch.device(backend.device))) is None:
-            features.append("fla-gated-delta-rule")
-    return sorted(features)
+    return sorted(["sdpa-attention", "chunked-linear-ce", *paths.features()])
 
 
 def _check_tokenizer_fits_vocabulary(tokenizer, vocab_size: int, model_dir: Path) -> None:
@@ -106,16 +100,19 @@ def load_resident(
     from kiln_train.data.chat_template import load_model_chat_template, select_training_template
     from kiln_train.data.tokenizer import load_tokenizer
     from kiln_train.model import load_model
+    from kiln_train.model.kernel_choice import choose_kernel_paths, use_kernel_paths
 
     model_dir = Path(model_dir).resolve()
     backend = backend_for_device(device)
     model = load_model(model_dir, device=backend.device)
+    paths = choose_kernel_paths(backend.device, model.dtype, model.config)
+    use_kernel_paths(model, paths)
     tokenizer = load_tokenizer(model_dir)
     _check_tokenizer_fits_vocabulary(tokenizer, model.config.vocab_size, model_dir)
     template = select_training_template(load_model_chat_template(model_dir))
     identity = model_identity(model_dir, "sha256:" + template.sha256)
     shards = base_weight_shard_manifest(model_dir)
-    features = compiled_features(backend)
+    features = compiled_features(paths)
     device_name = device_description(backend.device)
     prov = execution_provenance(
         backend=backend.to_dict(),
@@ -127,6 +124,7 @@ def load_resident(
             "rounding": "round_to_nearest",
         },
         compiled_features=features,
+        kernel_paths=paths.to_dict(),
         server_config={"model_dir": str(model_dir), "device": backend.device, **(server_config or {})},
         environ=environ,
     )
@@ -142,4 +140,5 @@ def load_resident(
         provenance=prov,
         device_name=device_name,
         compiled_features=features,
+        kernel_paths=paths,
     )

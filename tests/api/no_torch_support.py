@@ -28,14 +28,15 @@ with app.extensions["kiln"].sessions.begin() as session:
     register_runner(session, "r", **json.loads(sys.stdin.read()))
 client = app.test_client()
 {body}
-print(json.dumps(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))))
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "triton"))))
 """
 
 
 def assert_app_runs_without_torch(
     body: str, *, root: Path, queue: str, runner_kwargs: dict, timeout: int
 ) -> None:
-    """Runs `body` against a freshly built app in a new interpreter: it must succeed and load no torch."""
+    """Runs `body` against a freshly built app in a new interpreter: it must succeed and load
+    neither torch nor Triton."""
     script = _SCRIPT.format(
         root=str(root), broker_url=REDIS_URL, queue=queue, body=textwrap.dedent(body).strip()
     )

@@ -1,4 +1,4 @@
-"""The api never imports torch: build the app and serve requests in a fresh interpreter."""
+"""The api never imports torch (nor Triton): build the app and serve requests in a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def test_importing_the_api_imports_neither_the_worker_nor_torch_and_reads_no_set
         import api.app
         from kiln.settings import Settings
         api.app.create_app(Settings.model_validate({{"storage": {{"root": {str(tmp_path)!r}}}}}))
-        loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("worker", "torch"))
+        loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("worker", "torch", "triton"))
         import worker.celery_app, worker.tasks  # the factory module reads no settings either
         print(json.dumps(loaded))
         """

@@ -41,6 +41,33 @@ def test_a_full_vocabulary_checkpoint_loads_with_its_identity(tmp_path):
     assert resident.backend.name == "cpu"
 
 
+def test_the_cpu_resident_records_and_runs_the_torch_kernel_paths(tmp_path):
+    """The kernel paths are the backend's (docs/kernels.md#choice): recorded in the provenance
+    the execution identity digests, and set on the model's modules."""
+    resident = load_resident(write_tiny_checkpoint(tmp_path / "m", "tiny", seed=3))
+    kernels = resident.provenance["kernels"]
+    assert (
+        kernels["paths"]
+        == resident.kernel_paths.to_dict()
+        == {
+            "causal_conv1d_silu": "torch",
+            "gated_delta_rule": "torch-chunked",
+            "gated_rms_norm": "torch",
+            "offset_rms_norm": "torch",
+            "swiglu": "torch",
+        }
+    )
+    assert kernels["compiled_features"] == sorted(
+        ["chunked-linear-ce", "sdpa-attention", *resident.kernel_paths.features()]
+    )
+    assert resident.compiled_features == kernels["compiled_features"]
+    on_modules = {getattr(m, "kernel_path", None) for m in resident.model.modules()} - {None}
+    assert on_modules == {"torch"}
+    assert {layer.linear_attn.impl for layer in resident.model.layers if layer.is_linear_attention} == {
+        "chunk"
+    }
+
+
 # ----- tokenizer and template files ----------------------------------------------------------------
 
 

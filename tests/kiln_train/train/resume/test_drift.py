@@ -2,7 +2,8 @@
 
 docs/checkpoints.md#resume: the checkpoint binds the effective config (learning rate, rank, seed,
 optimizer, segments, anomaly flag, ...), the data identity, the loss route (planning identity
-v4), the base-weight content, the execution provenance and the adapter name. A resume that
+v4, with the kernel paths), the base-weight content, the execution provenance and the adapter
+name. A resume that
 drifts in any of them fails before LoRA tensors are attached, and a PEFT adapter directory
 offered as a checkpoint is refused with a clear message.
 """
@@ -14,6 +15,7 @@ import dataclasses
 import pytest
 
 from kiln_train.checkpoint import PEFT_MESSAGE
+from kiln_train.kernels.paths import FLA, GATED_DELTA_RULE, SWIGLU, TRITON, KernelPaths
 from kiln_train.train.resident import load_resident
 from tests.kiln_train.train import trainer_fixtures as fx
 from tests.kiln_train.train.resume import refusal_fixtures as rf
@@ -125,6 +127,25 @@ def test_another_loss_route_is_planning_drift(resident, ingestion, checkpoint, t
         attach_calls,
         'auxiliary_state.training_runtime_planning_identity.sft_loss_route: checkpoint "kt_tape_flce", '
         'request "full_logits"',
+    )
+
+
+@pytest.mark.parametrize(
+    ("op", "path", "recorded"), [(GATED_DELTA_RULE, FLA, "torch-chunked"), (SWIGLU, TRITON, "torch")]
+)
+def test_another_kernel_path_is_planning_drift(
+    resident, ingestion, checkpoint, tmp_path, attach_calls, op, path, recorded
+):
+    """A resume on another GDN path or kernel set names the operation (docs/kernels.md#checkpoints)."""
+    paths = KernelPaths({**resident.kernel_paths.paths, op: path})
+    other = dataclasses.replace(resident, kernel_paths=paths)
+    result = _resume(other, ingestion, checkpoint, tmp_path)
+    _check_drift(
+        result,
+        tmp_path,
+        attach_calls,
+        f"auxiliary_state.training_runtime_planning_identity.kernel_paths.{op}: "
+        f'checkpoint "{recorded}", request "{path}"',
     )
 
 
