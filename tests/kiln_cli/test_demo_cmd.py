@@ -48,9 +48,11 @@ def run_demo(root: Path) -> tuple[str, float]:
     return output, elapsed
 
 
-# Runs that get interrupted train 3 epochs (90 steps), so the job is surely still running when the
-# signal lands (the client logs its progress only every few seconds when not on a terminal).
-INTERRUPTED_EPOCHS = 3
+# Runs that get interrupted train 30 epochs (900 steps), so the job is surely still running when
+# the signal lands: the client logs its progress only every few seconds when not on a terminal, and
+# a fast machine trains the tiny model at ~60 ms a step (90 steps once finished before the kill).
+INTERRUPTED_EPOCHS = 30
+INTERRUPTED_STEPS = 30 * INTERRUPTED_EPOCHS
 
 
 def start_demo(root: Path, log: Path) -> subprocess.Popen:
@@ -67,7 +69,7 @@ def start_demo(root: Path, log: Path) -> subprocess.Popen:
 def wait_for_training(proc: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while time.monotonic() < deadline:
-        if re.search(r"step [1-9]\d*/90", log.read_text(errors="replace")):
+        if re.search(rf"step [1-9]\d*/{INTERRUPTED_STEPS}\b", log.read_text(errors="replace")):
             return
         assert proc.poll() is None, log.read_text(errors="replace")[-4000:]
         time.sleep(0.3)
@@ -143,7 +145,7 @@ def test_ctrl_c_cancels_the_job_stops_everything_and_the_next_run_is_clean(tmp_p
     assert proc.wait(timeout=120) == 130, log.read_text()[-4000:]
     text = log.read_text()
     assert "interrupted (SIGINT): cancelling the demo job" in text
-    assert re.search(r"cancelled job \S+ at step \d+/90", text), text[-3000:]
+    assert re.search(rf"cancelled job \S+ at step \d+/{INTERRUPTED_STEPS}\b", text), text[-3000:]
     assert "demo interrupted (SIGINT); nothing it started is left running" in text
     assert "Traceback" not in text and "Aborted!" not in text
     assert "keeps going on the server" not in text  # the submitting child never saw the Ctrl-C
