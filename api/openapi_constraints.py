@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 
 from kiln.store import Admission
-from kiln_train.sft_config import MAX_NS_ITERS, U64_MAX
+from kiln_train.optim.kinds import registered
+from kiln_train.sft_config import U64_MAX, SftConfig
 
 NON_BLANK = "^[^\\u0000]*[^\\s\\u0000][^\\u0000]*$"  # not blank, no NUL (api.http.unstorable_value)
 ADAPTER_NAME = {  # output_name / base_adapter (kiln_train/plan/names.py: adapter_name_problem)
@@ -26,8 +27,6 @@ F32_POSITIVE = {
     "exclusiveMinimum": math.ldexp(1.0, -150),
     "exclusiveMaximum": math.ldexp(1.0, 128) - math.ldexp(1.0, 103),
 }
-UNIT_INTERVAL = {"type": "number", "minimum": 0, "exclusiveMaximum": 1}  # [0, 1)
-NON_NEGATIVE = {"type": "number", "minimum": 0}
 UNSUPPORTED = "Not supported by this server: any value but null is refused (400)."
 
 
@@ -78,17 +77,6 @@ REQUEST_CONSTRAINTS: dict[str, dict[str, dict]] = {
             {"type": "array", "minItems": 1, "items": {"type": "string", "pattern": NON_BLANK}}
         ),
     },
-    "AdamWConfig": {
-        "beta1": UNIT_INTERVAL,
-        "beta2": UNIT_INTERVAL,
-        "eps": {"type": "number", "exclusiveMinimum": 0},
-        "weight_decay": NON_NEGATIVE,
-    },
-    "MuonConfig": {
-        "momentum": UNIT_INTERVAL,
-        "ns_iters": {"type": "integer", "minimum": 1, "maximum": MAX_NS_ITERS},
-        "weight_decay": NON_NEGATIVE,
-    },
     # HF/TRL interop (api.hf): the export request and the run it describes.
     "HfSftExportRequest": {
         "examples": _nullable({"type": "array", "minItems": 1, "items": {"type": "object"}}),
@@ -132,30 +120,44 @@ VALIDATION_SOURCES = {
 }
 
 
-# The cross-field rules a schema can say (SftConfig._cross_field); alpha/rank <= 2 it cannot.
-SFT_CONFIG_RULES = {
-    "allOf": [
-        {  # adapter_smoke_prompts requires adapter_smoke_test=true
-            "if": {
-                "required": ["adapter_smoke_prompts"],
-                "properties": {"adapter_smoke_prompts": {"type": "array"}},
-            },
-            "then": {
-                "required": ["adapter_smoke_test"],
-                "properties": {"adapter_smoke_test": {"const": True}},
-            },
-        },
-        {  # muon (the default optimizer) needs lora_rank >= 2
-            "if": {
-                "anyOf": [
-                    {"not": {"required": ["optimizer"]}},
-                    {"properties": {"optimizer": {"properties": {"kind": {"const": "muon"}}}}},
-                ]
-            },
-            "then": {"properties": {"lora_rank": {"minimum": 2}}},
-        },
-    ]
+# adapter_smoke_prompts requires adapter_smoke_test=true (SftConfig._cross_field).
+SMOKE_PROMPTS_RULE = {
+    "if": {
+        "required": ["adapter_smoke_prompts"],
+        "properties": {"adapter_smoke_prompts": {"type": "array"}},
+    },
+    "then": {
+        "required": ["adapter_smoke_test"],
+        "properties": {"adapter_smoke_test": {"const": True}},
+    },
 }
+
+
+def optimizer_rank_rules() -> list[dict]:
+    """Each registered optimizer's minimum lora_rank above 1 (muon: 2), also when it is the default
+    that an omitted `optimizer` means."""
+    default_kind = SftConfig().optimizer.kind
+    rules = []
+    for entry in registered():
+        if entry.minimum_rank <= 1:
+            continue
+        chosen = {"properties": {"optimizer": {"properties": {"kind": {"const": entry.kind}}}}}
+        when = [{"not": {"required": ["optimizer"]}}, chosen] if entry.kind == default_kind else [chosen]
+        rules.append(
+            {"if": {"anyOf": when}, "then": {"properties": {"lora_rank": {"minimum": entry.minimum_rank}}}}
+        )
+    return rules
+
+
+def sft_config_rules() -> dict:
+    """The cross-field rules a schema can say (SftConfig._cross_field); alpha/rank <= 2 it cannot."""
+    return {"allOf": [SMOKE_PROMPTS_RULE, *optimizer_rank_rules()]}
+
+
+def request_constraints() -> dict[str, dict[str, dict]]:
+    """`REQUEST_CONSTRAINTS` and each registered optimizer's request object's field ranges."""
+    optimizers = {e.config.__name__: dict(e.schema_constraints) for e in registered() if e.schema_constraints}
+    return {**REQUEST_CONSTRAINTS, **optimizers}
 
 
 # The export's run must be one the pinned TRL runner reproduces: muon is refused (400
@@ -170,14 +172,14 @@ HF_EXPORT_CONFIG_RULES = {
 
 def constrain(components: dict) -> dict:
     """The pydantic JSON Schemas `components` with the constraints above written in (in place)."""
-    for model, fields in REQUEST_CONSTRAINTS.items():
+    for model, fields in request_constraints().items():
         properties = components[model]["properties"]
         for name, schema in fields.items():
             kept = {k: v for k, v in properties[name].items() if k in ("title", "default", "description")}
             properties[name] = {**kept, **schema}
     components["SftRequest"].update(SFT_TRANSPORTS)
     components["ValidationSpec"].update(VALIDATION_SOURCES)
-    components["SftConfig"].update(SFT_CONFIG_RULES)
+    components["SftConfig"].update(sft_config_rules())
     components["HfSftExportRequest"].update(SFT_TRANSPORTS)
     components["HfExportConfig"].update(HF_EXPORT_CONFIG_RULES)
     return components

@@ -53,7 +53,7 @@ from kiln_cli.sft_submit import (
     validation_body,
     wait_for_job,
 )
-from kiln_train.sft_config import OPTIMIZER_KINDS
+from kiln_train.optim.kinds import optimizer_kinds
 
 # Admission tokenizes every row inside the request (the server allows it 300 s).
 SUBMIT_TIMEOUT_S = 330.0
@@ -106,7 +106,7 @@ SFT_CONFIG_OPTIONS = (
     click.option("--epochs", type=int, help="Passes over the data (server default 3)."),
     click.option("--rank", type=int, help="LoRA rank (lora_rank)."),
     click.option("--alpha", type=float, callback=finite_float, help="LoRA alpha (lora_alpha)."),
-    click.option("--optimizer", type=click.Choice(OPTIMIZER_KINDS), help="Optimizer kind (its defaults)."),
+    click.option("--optimizer", type=click.Choice(optimizer_kinds()), help="Optimizer kind (its defaults)."),
     click.option("--learning-rate", type=float, callback=finite_float, help="Constant learning rate."),
     click.option("--seed", type=int, help="u64 seed (the server draws one when omitted)."),
     click.option("--checkpoint-interval", type=int, help="Exact checkpoint every N steps."),

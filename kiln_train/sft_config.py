@@ -16,7 +16,6 @@ import struct
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -27,6 +26,12 @@ from pydantic import (
 
 from kiln_train.errors import invalid_request
 from kiln_train.ground.limits import MAX_DIMENSION, MAX_LAYERS
+from kiln_train.optim.configs import MAX_NS_ITERS as MAX_NS_ITERS
+from kiln_train.optim.configs import STRICT as _STRICT
+from kiln_train.optim.configs import AdamWConfig as AdamWConfig
+from kiln_train.optim.configs import MuonConfig, finite_value
+from kiln_train.optim.configs import SgdConfig as SgdConfig
+from kiln_train.optim.kinds import OptimizerConfig, optimizer_kind
 
 log = logging.getLogger(__name__)
 
@@ -38,26 +43,15 @@ U64_MAX = 2**64 - 1
 # value reaches arithmetic (alpha / rank as a float) or a 32-bit job-store column out of range.
 MAX_LORA_RANK = MAX_DIMENSION
 MAX_GRAD_CHECKPOINT_SEGMENTS = MAX_LAYERS
-MAX_NS_ITERS = 20
 # Held-out validation (docs/validation.md): a holdout takes 1..=50 percent of the submitted rows.
 MIN_HOLDOUT_PERCENT, MAX_HOLDOUT_PERCENT = 1, 50
 LR_WARNING_BAND = 50.0
-# Resolved learning rate for SFT when the request omits it (docs/optimizers.md#learning-rate).
-SFT_DEFAULT_LEARNING_RATE = {"muon": 1e-3, "adam_w": 1e-4, "sgd": 1e-4}
 BUILTIN_SMOKE_PROMPTS = (
     "In one short sentence, name a primary color:",
     "Complete this sentence with a brief answer: The capital of France is",
     "Return a compact JSON tool call for a weather lookup in Paris:",
 )
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")  # matched in full
-
-_STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-
-def _finite(name: str, value: float) -> float:
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite")
-    return float(value)
 
 
 def f32_round(value: float) -> float:
@@ -70,85 +64,12 @@ def f32_round(value: float) -> float:
 
 def _positive_in_f32(name: str, v: float) -> float:
     """`v` when it is finite and positive and stays so after conversion to f32."""
-    if _finite(name, v) <= 0.0:
+    if finite_value(name, v) <= 0.0:
         raise ValueError(f"{name} must be positive")
     r = f32_round(v)
     if not math.isfinite(r) or r <= 0.0:
         raise ValueError(f"{name} must stay finite and positive after conversion to f32")
     return v
-
-
-def _non_negative_weight_decay(v: float) -> float:
-    if _finite("weight_decay", v) < 0.0:
-        raise ValueError("weight_decay must be non-negative")
-    return v
-
-
-# Decoupled weight decay (AdamW, Muon): finite and non-negative.
-WeightDecay = Annotated[float, AfterValidator(_non_negative_weight_decay)]
-
-
-class SgdConfig(BaseModel):
-    """Plain SGD; stateless, no optimizer-specific fields."""
-
-    model_config = _STRICT
-    kind: Literal["sgd"]
-
-
-class AdamWConfig(BaseModel):
-    """AdamW with decoupled weight decay and bias correction."""
-
-    model_config = _STRICT
-    kind: Literal["adam_w"]
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: WeightDecay = 0.0
-
-    @field_validator("beta1", "beta2")
-    @classmethod
-    def _beta(cls, v: float, info) -> float:
-        _finite(info.field_name, v)
-        if not 0.0 <= v < 1.0:
-            raise ValueError(f"{info.field_name} must be in [0, 1)")
-        return v
-
-    @field_validator("eps")
-    @classmethod
-    def _eps(cls, v: float) -> float:
-        if _finite("eps", v) <= 0.0:
-            raise ValueError("eps must be greater than zero")
-        return v
-
-
-class MuonConfig(BaseModel):
-    """Muon: Nesterov momentum + Newton–Schulz orthogonalisation of each LoRA matrix update."""
-
-    model_config = _STRICT
-    kind: Literal["muon"]
-    momentum: float = 0.95
-    nesterov: bool = True
-    ns_iters: int = 5
-    weight_decay: WeightDecay = 0.0
-
-    @field_validator("momentum")
-    @classmethod
-    def _momentum(cls, v: float) -> float:
-        _finite("momentum", v)
-        if not 0.0 <= v < 1.0:
-            raise ValueError("momentum must be in [0, 1)")
-        return v
-
-    @field_validator("ns_iters")
-    @classmethod
-    def _ns(cls, v: int) -> int:
-        if not 1 <= v <= MAX_NS_ITERS:
-            raise ValueError(f"ns_iters must be in 1..={MAX_NS_ITERS}")
-        return v
-
-
-OptimizerConfig = Annotated[SgdConfig | AdamWConfig | MuonConfig, Field(discriminator="kind")]
-OPTIMIZER_KINDS = ("muon", "adam_w", "sgd")
 
 
 def _seed(v: Any) -> int | None:
@@ -255,8 +176,11 @@ class SftConfig(BaseModel):
             )
         if self.adapter_smoke_prompts is not None and not self.adapter_smoke_test:
             raise ValueError("adapter_smoke_prompts requires adapter_smoke_test=true")
-        if self.optimizer.kind == "muon" and self.lora_rank < 2:
-            raise ValueError("lora_rank must be at least 2 for the muon optimizer")
+        minimum_rank = optimizer_kind(self.optimizer.kind).minimum_rank
+        if self.lora_rank < minimum_rank:
+            raise ValueError(
+                f"lora_rank must be at least {minimum_rank} for the {self.optimizer.kind} optimizer"
+            )
         return self
 
     # ----- resolution ----------------------------------------------------------------
@@ -268,7 +192,8 @@ class SftConfig(BaseModel):
         return self.learning_rate if self.learning_rate is not None else self.default_learning_rate()
 
     def default_learning_rate(self) -> float:
-        return SFT_DEFAULT_LEARNING_RATE[self.optimizer.kind]
+        """The optimizer's default (docs/optimizers.md#learning-rate), from its registry entry."""
+        return optimizer_kind(self.optimizer.kind).default_learning_rate
 
     def smoke_prompts(self) -> list[str]:
         return list(self.adapter_smoke_prompts or BUILTIN_SMOKE_PROMPTS)

@@ -38,6 +38,7 @@ from kiln_train.ground.backend import backend_for_device
 from kiln_train.ground.digest import json_sha256, sha256_prefixed
 from kiln_train.model.config import parse_config
 from kiln_train.model.tiny import text_config
+from kiln_train.optim.kinds import keeps_state
 from kiln_train.sft_config import parse_sft_config
 
 ITEMS = 200
@@ -129,7 +130,7 @@ def bench(preset: str, rank: int, kind: str, repeats: int) -> dict:
         {"epochs": 2, "lora_rank": rank, "lora_alpha": float(rank), "optimizer": {"kind": kind}}
     )
     config = config.resolve(seed=7)
-    policy = backend_for_device("cpu").precision_policy(kind)
+    policy = backend_for_device("cpu").precision_policy(keeps_state(kind))
     epoch, cursor = divmod(STEP, ITEMS)
     draft = sft_manifest_draft(
         config=config,

@@ -5,15 +5,8 @@ from __future__ import annotations
 from flask import Blueprint, Response, jsonify, send_from_directory
 
 from api.ui import CONTENT_SECURITY_POLICY, STATIC_DIR
-from kiln_train.sft_config import (
-    BUILTIN_SMOKE_PROMPTS,
-    OPTIMIZER_KINDS,
-    SFT_DEFAULT_LEARNING_RATE,
-    AdamWConfig,
-    MuonConfig,
-    SftConfig,
-    SgdConfig,
-)
+from kiln_train.optim.kinds import registered
+from kiln_train.sft_config import BUILTIN_SMOKE_PROMPTS, SftConfig
 
 bp = Blueprint("ui", __name__)
 
@@ -34,19 +27,16 @@ def index() -> Response:
 
 @bp.get("/ui/defaults.json")
 def defaults() -> Response:
-    """What the SFT form shows before anything is typed: the server's own defaults."""
+    """What the SFT form shows before anything is typed: the server's own defaults, and every
+    registered optimizer kind with its fields' defaults (the form builds its choices from these)."""
     config = SftConfig().model_dump(mode="json")
-    optimizers = {
-        "muon": MuonConfig(kind="muon").model_dump(mode="json"),
-        "adam_w": AdamWConfig(kind="adam_w").model_dump(mode="json"),
-        "sgd": SgdConfig(kind="sgd").model_dump(mode="json"),
-    }
+    kinds = registered()
     return jsonify(
         {
             "config": config,
-            "optimizer_kinds": list(OPTIMIZER_KINDS),
-            "optimizers": optimizers,
-            "learning_rate": SFT_DEFAULT_LEARNING_RATE,
+            "optimizer_kinds": [e.kind for e in kinds],
+            "optimizers": {e.kind: e.default_config().model_dump(mode="json") for e in kinds},
+            "learning_rate": {e.kind: e.default_learning_rate for e in kinds},
             "builtin_smoke_prompts": list(BUILTIN_SMOKE_PROMPTS),
         }
     )

@@ -42,6 +42,7 @@ from kiln_train.checkpoint.manifest import (
     strip_sha256_prefix,
 )
 from kiln_train.ground.digest import utc_now_rfc3339
+from kiln_train.optim.kinds import keeps_state
 from kiln_train.sft_config import TRAINING_PROFILE, SftConfig
 
 
@@ -103,7 +104,7 @@ def checkpoint_effective_config(config: SftConfig) -> dict[str, Any]:
 
 
 def sft_optimizer_record(config: SftConfig, global_step: int) -> OptimizerRecord:
-    """`optimizer`: kind, step, resolved hyperparameters, the state file unless SGD."""
+    """`optimizer`: kind, step, resolved hyperparameters, the state file when the optimizer keeps state."""
     return OptimizerRecord.model_validate(
         {
             "kind": config.optimizer.kind,
@@ -112,7 +113,7 @@ def sft_optimizer_record(config: SftConfig, global_step: int) -> OptimizerRecord
                 "learning_rate": config.resolved_learning_rate(),
                 "optimizer": config.optimizer.model_dump(mode="json"),
             },
-            "state_file": None if config.optimizer.kind == "sgd" else OPTIMIZER_FILE,
+            "state_file": OPTIMIZER_FILE if keeps_state(config.optimizer.kind) else None,
         }
     )
 
@@ -146,10 +147,10 @@ def sft_rng_states(seed: int, epoch_index: int) -> RngStates:
 
 
 def sft_state_files(optimizer_kind: str) -> StateFiles:
-    """The SFT layout: adapter, optimizer state (absent for SGD), loop state."""
+    """The SFT layout: adapter, optimizer state (when the optimizer keeps any), loop state."""
     return StateFiles(
         adapter_parameters=ADAPTER_FILE,
-        optimizer_state=None if optimizer_kind == "sgd" else OPTIMIZER_FILE,
+        optimizer_state=OPTIMIZER_FILE if keeps_state(optimizer_kind) else None,
         loss_history=LOOP_STATE_FILE,
     )
 

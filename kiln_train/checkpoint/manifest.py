@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kiln_train.checkpoint.epoch_order import EPOCH_ORDER_ALGORITHM
 from kiln_train.checkpoint.errors import CheckpointError
 from kiln_train.checkpoint.json_io import dump_pretty_json, load_strict_json
 from kiln_train.model.config import LORA_INIT_ALGORITHM
-from kiln_train.sft_config import U64_MAX, OptimizerConfig
+from kiln_train.optim.kinds import OptimizerConfig, known_kind
+from kiln_train.sft_config import U64_MAX
 
 # ----- layout (docs/checkpoints.md#layout) --------------------------------------------------------
 SCHEMA_VERSION = 1
@@ -234,10 +235,10 @@ class OptimizerHyperparameters(BaseModel):
 
 
 class OptimizerRecord(BaseModel):
-    """`optimizer`; `state_file` only when the optimizer has state (not SGD)."""
+    """`optimizer`; `state_file` only when the optimizer keeps state (not SGD)."""
 
     model_config = _PART
-    kind: Literal["muon", "adam_w", "sgd"]
+    kind: Annotated[str, AfterValidator(known_kind)]
     step: int = Field(ge=0)
     hyperparameters: OptimizerHyperparameters
     state_file: str | None = Field(default=None, exclude_if=_omit_none)

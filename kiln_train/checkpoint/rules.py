@@ -44,6 +44,7 @@ from kiln_train.checkpoint.manifest import (
 )
 from kiln_train.ground.backend import SFT_LOSS_ROUTES
 from kiln_train.kernels.paths import check_kernel_paths
+from kiln_train.optim.kinds import keeps_state
 from kiln_train.sft_config import SftConfig, describe_validation_error
 
 
@@ -160,9 +161,9 @@ def _check_sft_bindings(m: CheckpointManifest) -> None:
             f"optimizer.kind: {opt.kind!r} differs from optimizer.hyperparameters.optimizer.kind "
             f"{opt.hyperparameters.optimizer.kind!r}"
         )
-    if (opt.kind == "sgd") != (m.state_files.optimizer_state is None):
+    if keeps_state(opt.kind) != (m.state_files.optimizer_state is not None):
         raise CheckpointError(
-            f"state_files.optimizer_state: {opt.kind} {'has no' if opt.kind == 'sgd' else 'requires an'} "
+            f"state_files.optimizer_state: {opt.kind} {'requires an' if keeps_state(opt.kind) else 'has no'} "
             "optimizer state file"
         )
     if m.state_files.loss_history is None:

@@ -51,11 +51,14 @@ class Backend:
     def dtype_bytes(self) -> int:
         return 4 if self.base_weight_dtype == "f32" else 2
 
-    def precision_policy(self, optimizer_kind: str) -> dict:
-        """`runtime.training_precision` / checkpoint `precision_policy` (docs/optimizers.md#precision)."""
+    def precision_policy(self, keeps_optimizer_state: bool) -> dict:
+        """`runtime.training_precision` / checkpoint `precision_policy` (docs/optimizers.md#precision);
+        an optimizer that keeps no state (`kinds.keeps_state`) has state dtype `none`."""
+        if not isinstance(keeps_optimizer_state, bool):
+            raise TypeError(f"keeps_optimizer_state must be a bool, got {keeps_optimizer_state!r}")
         return {
             "parameter_dtype": self.lora_dtype,
-            "optimizer_state_dtype": "none" if optimizer_kind == "sgd" else self.optimizer_state_dtype,
+            "optimizer_state_dtype": self.optimizer_state_dtype if keeps_optimizer_state else "none",
             "activation_dtype": self.activation_dtype,
             "gradient_dtype": self.gradient_dtype,
             "stochastic_rounding": dict(ROUND_TO_NEAREST),

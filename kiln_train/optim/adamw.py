@@ -23,14 +23,12 @@ from __future__ import annotations
 from torch import Tensor
 
 from kiln_train.optim.base import Optimizer, upcast, write_back
-from kiln_train.optim.state import ADAMW_FIELDS
 
 F32_SMALLEST_SUBNORMAL = 2.0**-149
 
 
 class AdamW(Optimizer):
     kind = "adam_w"
-    state_fields = ADAMW_FIELDS
 
     def __init__(
         self,

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from kiln_train.errors import TrainingFailure
 from kiln_train.optim import state as state_keys
+from kiln_train.optim.kinds import optimizer_kind
 
 SUPPORTED_PARAMETER_DTYPES = (torch.float32, torch.bfloat16)
 U32_MAX = 2**32 - 1
@@ -50,7 +51,8 @@ def _describe(t: Tensor) -> str:
 class Optimizer(ABC):
     """One optimizer over named trainable leaves.
 
-    Subclasses set `kind`, `state_fields` (the per-parameter buffers, e.g. `("m", "v")`) and
+    Subclasses set `kind` (a registered kind, `kinds.py`, whose entry names the per-parameter
+    `state_fields`, e.g. `("m", "v")`, that each instance takes at construction) and
     `hyperparameter_names` (the attributes `hyperparameters()` reports, in contract order), and
     implement `_update(name, param, grad)`, which runs under `torch.no_grad()` after the whole
     gradient set has been validated and must not fail for a valid set.
@@ -67,6 +69,7 @@ class Optimizer(ABC):
         if not math.isfinite(lr) or lr <= 0.0:
             raise ValueError(f"lr must be finite and positive, got {lr!r}")
         self.lr = lr
+        self.state_fields = optimizer_kind(self.kind).state_fields
         self.params: dict[str, Tensor] = {}
         for name, param in params:
             if not isinstance(name, str) or not name:

@@ -37,7 +37,6 @@ from torch import Tensor
 
 from kiln_train.errors import invalid_request
 from kiln_train.optim.base import Optimizer, upcast, write_back
-from kiln_train.optim.state import MUON_FIELDS
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_NORM_EPS = 1e-7
@@ -71,7 +70,6 @@ def update_scale(shape: torch.Size | tuple[int, ...]) -> float:
 
 class Muon(Optimizer):
     kind = "muon"
-    state_fields = MUON_FIELDS
 
     def __init__(
         self,

@@ -3,11 +3,20 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from kiln_train.optim import Optimizer, build_optimizer
-from kiln_train.sft_config import SftConfig
+from kiln_train.optim.kinds import OptimizerConfig
 
 
-def optimizer_for(config: SftConfig, params) -> Optimizer:
+class OptimizerRequest(Protocol):
+    """What this module reads of an `SftConfig` (which stands above `optim`)."""
+
+    optimizer: OptimizerConfig
+    learning_rate: float | None
+
+
+def optimizer_for(config: OptimizerRequest, params) -> Optimizer:
     """The optimizer `config.optimizer` names, at the run's learning rate, over `params`."""
     choice = config.optimizer
     return build_optimizer(choice.kind, params, config.learning_rate, **choice.model_dump(exclude={"kind"}))

@@ -9,7 +9,6 @@ from kiln_train.optim.base import Optimizer, upcast, write_back
 
 class Sgd(Optimizer):
     kind = "sgd"
-    state_fields = ()
 
     def _update(self, name: str, param: Tensor, grad: Tensor) -> None:
         p = upcast(param)

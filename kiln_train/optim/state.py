@@ -18,19 +18,17 @@ from typing import TYPE_CHECKING
 
 from safetensors.torch import save as _save_bytes
 
+from kiln_train.optim.kinds import optimizer_kind
+
 if TYPE_CHECKING:
     from torch import Tensor
 
 STEP = "step"
-# Contract key segment per optimizer kind (the kind enum is `adam_w`, the key segment `adamw`).
-KEY_SEGMENT = {"adam_w": "adamw", "muon": "muon", "sgd": "sgd"}
-ADAMW_FIELDS = ("m", "v")
-MUON_FIELDS = ("momentum",)
 
 
 def state_key(param_name: str, kind: str, field: str) -> str:
-    """`{key}.adamw.m` and friends."""
-    return f"{param_name}.{KEY_SEGMENT[kind]}.{field}"
+    """`{key}.adamw.m` and friends (the kind enum is `adam_w`, its registered key segment `adamw`)."""
+    return f"{param_name}.{optimizer_kind(kind).state_key_segment}.{field}"
 
 
 def encode_state(tensors: dict[str, Tensor]) -> bytes:

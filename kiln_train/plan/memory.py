@@ -21,6 +21,7 @@ from typing import TypedDict
 
 from kiln_train.ground.backend import Backend
 from kiln_train.model.config import Qwen35Config
+from kiln_train.optim.kinds import optimizer_kind as registered_kind
 from kiln_train.plan.formulas import (
     F32,
     boundary_bytes,
@@ -35,7 +36,6 @@ GIB = 1 << 30
 MIB = 1 << 20
 U64_MAX = 2**64 - 1
 
-OPTIMIZER_STATE_BUFFERS = {"sgd": 0, "muon": 1, "adam_w": 2}
 
 # Memory the compute runtime takes for a row beyond its tensors: on cpu BLAS/oneDNN buffers and
 # per-shape kernel caches (8-12 MiB measured on a warmed-up worker, charged twice; the one-time thread pools
@@ -130,8 +130,7 @@ def _check_inputs(optimizer_kind: str, **sizes: int) -> None:
     for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if optimizer_kind not in OPTIMIZER_STATE_BUFFERS:
-        raise ValueError(f"unknown optimizer kind {optimizer_kind!r}")
+    registered_kind(optimizer_kind)  # ValueError for an unknown kind
 
 
 def _priced_by(t: int, a: int, r: int, s: int, loss_route: str, optimizer_kind: str) -> dict:
@@ -194,7 +193,7 @@ def estimate(
     # The trainable leaves and their .grad, in the LoRA dtype.
     param_grad = saturate(2 * lora_elements * lora_e)
     # AdamW m and v, Muon momentum, SGD nothing; resident in the optimizer-state dtype.
-    optimizer_state = saturate(OPTIMIZER_STATE_BUFFERS[optimizer_kind] * lora_elements * state_e)
+    optimizer_state = saturate(registered_kind(optimizer_kind).state_buffers * lora_elements * state_e)
     # The optimizer's f32 temporaries for the largest leaf (upcasts, Newton-Schulz iterates,
     # AdamW's denominator), one byte per gradient element for the finite check, and the compute
     # runtime's own buffers.
@@ -258,7 +257,7 @@ def forward_estimate(
         loss_workspace=saturate(eval_loss_workspace_bytes(config, loss_route, t, a, e)),
         lora_param_grad=saturate(lora_elements * _dtype_bytes(backend.lora_dtype)),
         lora_optimizer_state=saturate(
-            OPTIMIZER_STATE_BUFFERS[optimizer_kind]
+            registered_kind(optimizer_kind).state_buffers
             * lora_elements
             * _dtype_bytes(backend.optimizer_state_dtype)
         ),

@@ -19,11 +19,10 @@ from __future__ import annotations
 from kiln_train.errors import invalid_request
 from kiln_train.ground.backend import NATIVE_DEVICE_HOOK, PORTABLE_REFERENCE, Backend
 from kiln_train.model.config import Qwen35Config
+from kiln_train.optim.kinds import optimizer_kind, optimizer_kinds
 
 SCHEMA = {"id": "kiln.training-optimizer-support", "version": 1}
 ROUND_TO_NEAREST = "round_to_nearest"
-OPTIMIZER_KINDS = ("muon", "adam_w", "sgd")
-MINIMUM_RANK = {"muon": 2, "adam_w": 1, "sgd": 1}
 WORKLOADS = ("sft", "grpo", "opd", "distill_refresh")
 DISTILL_REFRESH_REASON = (
     "distill_refresh is unavailable until admission pins separate exact SFT and OPD phase plans, "
@@ -46,7 +45,7 @@ def parameter_dtypes(backend: Backend) -> list[str]:
 
 def backend_maximum_rank(backend: Backend, kind: str) -> int | None:
     """The optimizer backend's own rank ceiling (only CUDA Muon has one); None = unbounded."""
-    return backend.muon_rank_max if kind == "muon" else None
+    return backend.muon_rank_max if optimizer_kind(kind).backend_rank_ceiling else None
 
 
 def rank_range(backend: Backend, config: Qwen35Config, kind: str) -> dict:
@@ -55,7 +54,7 @@ def rank_range(backend: Backend, config: Qwen35Config, kind: str) -> dict:
     backend_maximum = backend_maximum_rank(backend, kind)
     maximum = model_maximum if backend_maximum is None else min(backend_maximum, model_maximum)
     return {
-        "minimum": MINIMUM_RANK[kind],
+        "minimum": optimizer_kind(kind).minimum_rank,
         "maximum": maximum,
         "backend_maximum": backend_maximum,
         "model_maximum": model_maximum,
@@ -102,7 +101,7 @@ def optimizer_support_report(backend: Backend, config: Qwen35Config) -> dict:
     """
     if backend.optimizer_route not in (NATIVE_DEVICE_HOOK, PORTABLE_REFERENCE):
         raise ValueError(f"unknown optimizer route {backend.optimizer_route!r}")
-    optimizers = [optimizer_entry(backend, config, kind) for kind in OPTIMIZER_KINDS]
+    optimizers = [optimizer_entry(backend, config, kind) for kind in optimizer_kinds()]
     tuple_kinds = [o["kind"] for o in optimizers if o["optimizer_tuple"]["supported"]]
     return {
         "schema": dict(SCHEMA),
@@ -144,9 +143,9 @@ def check_optimizer_tuple(backend: Backend, config: Qwen35Config, kind: str, ran
     Raises `KilnError(training_invalid_request)` naming lora_rank, the range, the optimizer and
     the backend. Live-memory admission comes later and never lowers the rank.
     """
-    if kind not in OPTIMIZER_KINDS:
+    if kind not in optimizer_kinds():
         raise invalid_request(
-            f"optimizer.kind {kind!r} is not one of {', '.join(OPTIMIZER_KINDS)} on the {backend.name} backend"
+            f"optimizer.kind {kind!r} is not one of {', '.join(optimizer_kinds())} on the {backend.name} backend"
         )
     entry = optimizer_entry(backend, config, kind)
     ranks = entry["optimizer_tuple"]["lora_rank"]

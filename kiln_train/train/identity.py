@@ -10,6 +10,7 @@ from kiln_train.artifacts.provenance import git_state
 from kiln_train.artifacts.receipt import RunFacts
 from kiln_train.data.ingestion import IngestionResult
 from kiln_train.ground.digest import json_sha256
+from kiln_train.optim.kinds import keeps_state
 from kiln_train.plan.formulas import checkpoint_boundary_policy
 from kiln_train.plan.row_plan import default_checkpoint_plan, recorded_plan
 from kiln_train.sft_config import SftConfig
@@ -29,7 +30,7 @@ def auxiliary_state(
     docs/checkpoints.md#bound-identities.
     """
     ident = resident.identity
-    precision = resident.backend.precision_policy(config.optimizer.kind)
+    precision = resident.backend.precision_policy(keeps_state(config.optimizer.kind))
     return {
         "loop_state_type": ckpt.SFT_LOOP_STATE_TYPE,
         "model_config_sha256": ident["model_config_sha256"],
@@ -77,7 +78,7 @@ def run_facts(
         epochs=config.epochs,
         ingestion=ingestion.receipt,
         loss_route=route,
-        training_precision=resident.backend.precision_policy(config.optimizer.kind),
+        training_precision=resident.backend.precision_policy(keeps_state(config.optimizer.kind)),
         execution_provenance=prov,
         model_path=str(resident.model_dir),
         model_identity=resident.identity,

@@ -23,6 +23,7 @@ from kiln_train.data.ingestion import IngestionResult
 from kiln_train.errors import TrainingFailure
 from kiln_train.model.config import Qwen35Config
 from kiln_train.model.lora import lora_key
+from kiln_train.optim.kinds import keeps_state
 from kiln_train.optim.request_optimizer import optimizer_for
 from kiln_train.sft_config import SftConfig
 from kiln_train.train.resident import ResidentModel
@@ -68,7 +69,7 @@ def check_manifest(
     expected = ckpt.sft_resume_expectation(
         config=config,
         adapter_name=adapter_name,
-        precision_policy=resident.backend.precision_policy(config.optimizer.kind),
+        precision_policy=resident.backend.precision_policy(keeps_state(config.optimizer.kind)),
         content_sha256=ingestion.receipt["kept_corpus_sha256"],
         item_count=len(ingestion.rows),
         auxiliary_state=ckpt.with_checkpoint_lineage(auxiliary_state, m),

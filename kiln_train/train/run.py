@@ -26,6 +26,7 @@ from kiln_train.artifacts.adapter_layout import TRAIN_RECEIPT
 from kiln_train.artifacts.fencing import Fence
 from kiln_train.errors import ADAPTER_ALREADY_EXISTS, KilnError, TrainingFailure
 from kiln_train.model.lora import release_lora
+from kiln_train.optim.kinds import keeps_state
 from kiln_train.optim.request_optimizer import optimizer_for
 from kiln_train.optim.state import encode_state
 from kiln_train.plan.row_plan import per_row_plan
@@ -455,7 +456,7 @@ class SftRun:
         t0 = time.perf_counter()
         tensors = {k: v.detach().cpu().contiguous() for k, v in sorted(self.lora.state_dict().items())}
         artifacts = {ckpt.ADAPTER_FILE: save_tensors(tensors, metadata={"format": "pt"})}
-        if c.optimizer.kind != "sgd":
+        if keeps_state(c.optimizer.kind):
             artifacts[ckpt.OPTIMIZER_FILE] = encode_state(self.optimizer.state_tensors())
         artifacts[ckpt.LOOP_STATE_FILE] = lp.state(self.grads).to_bytes()
         finished = lp.epoch_index >= c.epochs
@@ -463,7 +464,7 @@ class SftRun:
         draft = ckpt.sft_manifest_draft(
             config=c,
             adapter_name=self.adapter_name,
-            precision_policy=self.resident.backend.precision_policy(c.optimizer.kind),
+            precision_policy=self.resident.backend.precision_policy(keeps_state(c.optimizer.kind)),
             global_step=lp.global_step,
             total_steps=self.total_steps,
             epoch_index=lp.epoch_index,

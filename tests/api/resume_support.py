@@ -10,6 +10,7 @@ import pytest
 from kiln.store import Admission
 from kiln_train.checkpoint import epoch_order, publish_checkpoint, sft_manifest_draft
 from kiln_train.ground.backend import backend_for_device
+from kiln_train.optim.kinds import keeps_state
 from kiln_train.sft_config import SftConfig
 from tests.api.conftest import example
 from tests.kiln_train.checkpoint.checkpoint_support import artifacts, auxiliary_state
@@ -38,7 +39,7 @@ def checkpoint(client, sessions, settings, runner) -> dict:
     draft = sft_manifest_draft(
         config=config,
         adapter_name=ADAPTER,
-        precision_policy=backend_for_device("cpu").precision_policy(kind),
+        precision_policy=backend_for_device("cpu").precision_policy(keeps_state(kind)),
         global_step=STEP,
         total_steps=config.epochs * ROWS,
         epoch_index=0,

@@ -20,6 +20,7 @@ from kiln.store import (
 )
 from kiln_train.checkpoint import epoch_order, publish_checkpoint, sft_manifest_draft
 from kiln_train.ground.backend import backend_for_device
+from kiln_train.optim.kinds import keeps_state
 from kiln_train.sft_config import SftConfig
 from tests.api.conftest import RUNNER_ID, example, snapshot
 from tests.kiln_train.checkpoint.checkpoint_support import artifacts, auxiliary_state
@@ -232,7 +233,7 @@ def _checkpoint_with_validation(client, sessions, settings, request: dict, name:
     draft = sft_manifest_draft(
         config=config,
         adapter_name=name,
-        precision_policy=backend_for_device("cpu").precision_policy(config.optimizer.kind),
+        precision_policy=backend_for_device("cpu").precision_policy(keeps_state(config.optimizer.kind)),
         global_step=3,
         total_steps=config.epochs * rows,
         epoch_index=0,

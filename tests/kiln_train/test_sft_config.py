@@ -13,8 +13,8 @@ import pytest
 
 from api.errors import http_status
 from kiln_train.errors import KilnError
+from kiln_train.optim.kinds import optimizer_kind
 from kiln_train.sft_config import (
-    SFT_DEFAULT_LEARNING_RATE,
     AdamWConfig,
     MuonConfig,
     SgdConfig,
@@ -72,7 +72,7 @@ def test_omitted_optimizer_is_muon_with_defaults():
 def test_kind_only_objects_take_defaults_and_resolve_the_default_rate(kind, expected, lr):
     cfg = parse_sft_config(optimizer(kind))
     assert cfg.optimizer == expected
-    assert SFT_DEFAULT_LEARNING_RATE[kind] == lr
+    assert optimizer_kind(kind).default_learning_rate == lr
     resolved = cfg.resolve(seed=7)
     assert resolved.learning_rate == lr and resolved.seed == 7
 
@@ -288,7 +288,7 @@ WARN_LOGGER = "kiln_train.sft_config"
 
 @pytest.mark.parametrize("kind", ["muon", "adam_w", "sgd"])
 def test_rates_far_from_the_default_log_a_warning(kind, caplog):
-    default = SFT_DEFAULT_LEARNING_RATE[kind]
+    default = optimizer_kind(kind).default_learning_rate
     cases = {
         default * 50: False,
         math.nextafter(default * 50, math.inf): True,

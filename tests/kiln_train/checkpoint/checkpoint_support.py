@@ -26,6 +26,7 @@ from kiln_train.checkpoint import (
 )
 from kiln_train.ground.backend import backend_for_device
 from kiln_train.ground.digest import json_sha256
+from kiln_train.optim.kinds import keeps_state
 from kiln_train.sft_config import SftConfig, parse_sft_config
 
 ADAPTER = "support-bot"
@@ -62,7 +63,7 @@ def resolved_config(optimizer: str | dict = "adam_w", **overrides: Any) -> SftCo
 
 
 def precision_policy(optimizer: str = "adam_w") -> dict:
-    return backend_for_device("cpu").precision_policy(optimizer)
+    return backend_for_device("cpu").precision_policy(keeps_state(optimizer))
 
 
 def auxiliary_state(optimizer: str = "adam_w", **overrides: Any) -> dict:

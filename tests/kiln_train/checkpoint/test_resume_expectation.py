@@ -19,6 +19,7 @@ from kiln_train.checkpoint import (
     verify_queued_checkpoint,
 )
 from kiln_train.ground.backend import backend_for_device
+from kiln_train.optim.kinds import keeps_state
 from kiln_train.sft_config import parse_sft_config
 from tests.kiln_train.checkpoint.checkpoint_support import (
     ADAPTER,
@@ -121,7 +122,7 @@ def test_effective_config_drift_names_the_field(loaded, overrides, message):
 
 
 def test_drift_in_each_bound_part(loaded):
-    cuda = backend_for_device("cuda").precision_policy("adam_w")
+    cuda = backend_for_device("cuda").precision_policy(keeps_state("adam_w"))
     cases = [
         (
             expectation(adapter_name="other-bot"),
