@@ -37,6 +37,11 @@ def defaults() -> Response:
             "optimizer_kinds": [e.kind for e in kinds],
             "optimizers": {e.kind: e.default_config().model_dump(mode="json") for e in kinds},
             "learning_rate": {e.kind: e.default_learning_rate for e in kinds},
+            "optimizer_titles": {e.kind: e.title for e in kinds},
+            # A list per kind, so the form keeps the declaration order (JSON objects here are sorted).
+            "optimizer_fields": {
+                e.kind: [{"name": n, "type": t} for n, t in e.field_types().items()] for e in kinds
+            },
             "builtin_smoke_prompts": list(BUILTIN_SMOKE_PROMPTS),
         }
     )

@@ -29,7 +29,7 @@ from kiln_train.optim.configs import ADAMW_SCHEMA, MUON_SCHEMA, AdamWConfig, Muo
 class OptimizerKind:
     """What Kiln knows about one optimizer kind.
 
-    - `kind`: the contract's `optimizer.kind` value.
+    - `kind`: the contract's `optimizer.kind` value; `title`: its name for people (the UI).
     - `config`: the request object's pydantic class (its `kind` field is `Literal[kind]`).
     - `update`: `"module:Class"` of the `Optimizer` subclass that applies the update.
     - `default_learning_rate`: the resolved learning rate when a request omits it.
@@ -41,6 +41,7 @@ class OptimizerKind:
     """
 
     kind: str
+    title: str
     config: type[BaseModel]
     update: str
     default_learning_rate: float
@@ -69,6 +70,15 @@ class OptimizerKind:
         """The request object with every field at its default."""
         return self.config(kind=self.kind)
 
+    def field_types(self) -> dict[str, str]:
+        """The request object's own fields (not `kind`) and their JSON types, in declaration order."""
+        names = {bool: "boolean", int: "integer", float: "number", str: "string"}
+        return {
+            name: names.get(info.annotation, "string")
+            for name, info in self.config.model_fields.items()
+            if name != "kind"
+        }
+
 
 # In contract order: the support report, the UI and every error message list kinds this way.
 _REGISTRY: dict[str, OptimizerKind] = {
@@ -76,6 +86,7 @@ _REGISTRY: dict[str, OptimizerKind] = {
     for entry in (
         OptimizerKind(
             kind="muon",
+            title="Muon",
             config=MuonConfig,
             update="kiln_train.optim.muon:Muon",
             default_learning_rate=1e-3,
@@ -87,6 +98,7 @@ _REGISTRY: dict[str, OptimizerKind] = {
         ),
         OptimizerKind(
             kind="adam_w",
+            title="AdamW",
             config=AdamWConfig,
             update="kiln_train.optim.adamw:AdamW",
             default_learning_rate=1e-4,
@@ -96,6 +108,7 @@ _REGISTRY: dict[str, OptimizerKind] = {
         ),
         OptimizerKind(
             kind="sgd",
+            title="SGD",
             config=SgdConfig,
             update="kiln_train.optim.sgd:Sgd",
             default_learning_rate=1e-4,

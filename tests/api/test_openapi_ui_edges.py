@@ -6,13 +6,17 @@ what it forbids is the envelope with the contract's status, and a refusal leaves
 from __future__ import annotations
 
 import json
+from typing import Literal
 from urllib.parse import quote
 
 import pytest
+from pydantic import BaseModel
 
 from api.datasets import check_dataset_name
 from api.routes.adapters import check_adapter_name
 from kiln_train.errors import KilnError
+from kiln_train.optim.configs import STRICT
+from kiln_train.optim.kinds import OptimizerKind, register, unregister
 from tests.api.conftest import example, snapshot
 from tests.api.openapi_support import matches
 
@@ -200,3 +204,44 @@ def test_files_outside_the_ui_are_a_404_envelope(path, client):
     response = client.get(path)
     assert response.status_code == 404
     assert _envelope(response)["code"] == "not_found"
+
+
+class _LionConfig(BaseModel):
+    model_config = STRICT
+    kind: Literal["lion"]
+    beta: float = 0.9
+
+
+def test_the_form_defaults_list_every_registered_optimizer(client):
+    """The SFT form builds its optimizer choices and fields from this answer (api/ui/static/app.js:
+    buildOptimizerForms), so a registered kind reaches the browser without a page edit."""
+    body = client.get("/ui/defaults.json").get_json()
+    assert body["optimizer_kinds"] == ["muon", "adam_w", "sgd"]
+    assert body["optimizer_titles"] == {"muon": "Muon", "adam_w": "AdamW", "sgd": "SGD"}
+    muon = body["optimizer_fields"]["muon"]
+    assert [(f["name"], f["type"]) for f in muon] == [
+        ("momentum", "number"),
+        ("nesterov", "boolean"),
+        ("ns_iters", "integer"),
+        ("weight_decay", "number"),
+    ]
+    assert body["optimizer_fields"]["sgd"] == []
+    assert body["optimizers"]["adam_w"] == {
+        "kind": "adam_w",
+        "beta1": 0.9,
+        "beta2": 0.999,
+        "eps": 1e-8,
+        "weight_decay": 0.0,
+    }
+    assert body["learning_rate"] == {"muon": 1e-3, "adam_w": 1e-4, "sgd": 1e-4}
+    register(
+        OptimizerKind(kind="lion", title="Lion", config=_LionConfig, update="", default_learning_rate=3e-4)
+    )
+    try:
+        body = client.get("/ui/defaults.json").get_json()
+    finally:
+        unregister("lion")
+    assert body["optimizer_kinds"] == ["muon", "adam_w", "sgd", "lion"]
+    assert body["optimizers"]["lion"] == {"kind": "lion", "beta": 0.9}
+    assert body["optimizer_fields"]["lion"] == [{"name": "beta", "type": "number"}]
+    assert body["learning_rate"]["lion"] == 3e-4

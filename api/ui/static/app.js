@@ -503,7 +503,6 @@ const VALIDATION_FIELD_IDS = {
   holdout_percent: "sft-holdout-percent",
   interval_steps: "sft-validation-interval",
 };
-const OPTIMIZER_PREFIX = { muon: "sft-muon-", adam_w: "sft-adamw-" };
 const SOURCE_FIELD = { file: "sft-dataset-file", text: "sft-dataset-text", stored: "sft-dataset-select", sample: "sft-dataset-text" };
 
 function source() {
@@ -513,6 +512,39 @@ function source() {
 function setSource(value) {
   $(`#sft-source-${value}`).checked = true;
   for (const node of $$("#sft-form [data-source]")) node.classList.toggle("active", node.dataset.source === value);
+}
+
+/** The id prefix of an optimizer's own fields: `sft-adamw-` for adam_w. */
+function optimizerPrefix(kind) {
+  return `sft-${kind.replace(/_/g, "")}-`;
+}
+
+/** The optimizer choices and each kind's own fields, from the server's registry (defaults.json). */
+function buildOptimizerForms() {
+  const anchor = $("#sft-advanced");
+  for (const kind of defaults.optimizer_kinds) {
+    $("#sft-optimizer").append(el("option", { value: kind, text: kind }));
+    const fields = defaults.optimizer_fields[kind];
+    const title = defaults.optimizer_titles[kind];
+    if (!fields.length) {
+      anchor.before(el("p", { class: "note optimizer-fields", dataset: { optimizer: kind } }, `${title} has no fields of its own.`));
+      continue;
+    }
+    const rows = fields.map(({ name, type }) => {
+      const id = optimizerPrefix(kind) + name.replace(/_/g, "-");
+      const error = el("p", { id: `${id}-error`, class: "field-error", role: "alert" });
+      if (type === "boolean") {
+        const box = el("input", { id, type: "checkbox", dataset: { key: name } });
+        return el("div", { class: "field check" }, el("label", {}, box, ` ${name}`), error);
+      }
+      const input = type === "integer"
+        ? el("input", { id, type: "number", dataset: { key: name, int: "1" } })
+        : el("input", { id, type: "text", inputmode: "decimal", spellcheck: "false", dataset: { key: name } });
+      return el("div", { class: "field" }, el("label", { for: id }, name), input, error);
+    });
+    anchor.before(el("fieldset", { class: "group grid optimizer-fields", id: `sft-opt-${kind}`, dataset: { optimizer: kind } },
+      el("legend", {}, title), rows));
+  }
 }
 
 function showOptimizerFields() {
@@ -525,6 +557,7 @@ function showOptimizerFields() {
 
 function applyDefaults() {
   const c = defaults.config;
+  buildOptimizerForms();
   $("#sft-epochs").value = c.epochs;
   $("#sft-lora-rank").value = c.lora_rank;
   $("#sft-lora-alpha").value = c.lora_alpha;
@@ -532,7 +565,7 @@ function applyDefaults() {
   $("#sft-invalid-row-policy").value = c.invalid_row_policy;
   $("#sft-detect-anomaly").checked = c.detect_anomaly;
   $("#sft-adapter-smoke-test").checked = c.adapter_smoke_test;
-  for (const kind of Object.keys(OPTIMIZER_PREFIX)) {
+  for (const kind of defaults.optimizer_kinds) {
     for (const input of $$(`[data-optimizer='${kind}'] [data-key]`)) {
       const value = defaults.optimizers[kind][input.dataset.key];
       if (input.type === "checkbox") input.checked = Boolean(value);
@@ -802,8 +835,10 @@ function fieldOfMessage(message) {
   const validation = message.match(/validation\.([a-z_]+)/);
   if (validation && VALIDATION_FIELD_IDS[validation[1]]) return VALIDATION_FIELD_IDS[validation[1]];
   if (/SFT validation row \d+|validation corpus|^validation:/.test(message)) return "sft-validation-file";
-  const opt = message.match(/config\.optimizer\.(muon|adam_w|sgd)\.([a-z_0-9]+)/);
-  if (opt && OPTIMIZER_PREFIX[opt[1]]) return OPTIMIZER_PREFIX[opt[1]] + opt[2].replace(/_/g, "-");
+  const opt = message.match(/config\.optimizer\.([a-z_0-9]+)\.([a-z_0-9]+)/);
+  if (opt && document.getElementById(optimizerPrefix(opt[1]) + opt[2].replace(/_/g, "-"))) {
+    return optimizerPrefix(opt[1]) + opt[2].replace(/_/g, "-");
+  }
   const named = message.match(/config\.([a-z_]+)/);
   if (named && FIELD_IDS[named[1]]) return FIELD_IDS[named[1]];
   if (/SFT row \d+|examples(\[\d+\])?|SFT corpus|dataset_path|no trainable rows/.test(message)) return SOURCE_FIELD[source()];

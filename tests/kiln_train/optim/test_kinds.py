@@ -70,6 +70,7 @@ class HeavyBall(Optimizer):
 
 HEAVY_BALL = OptimizerKind(
     kind="heavy_ball",
+    title="Heavy ball",
     config=HeavyBallConfig,
     update=f"{__name__}:HeavyBall",
     default_learning_rate=3e-4,
@@ -111,7 +112,11 @@ def test_register_refuses_a_taken_name_a_wrong_literal_or_removing_a_built_in():
     with pytest.raises(ValueError, match="already registered"):
         register(optimizer_kind("sgd"))
     with pytest.raises(ValueError, match=r"Literal\['heavy_ball'\]"):
-        register(OptimizerKind(kind="heavy_ball", config=MuonConfig, update="", default_learning_rate=1.0))
+        register(
+            OptimizerKind(
+                kind="heavy_ball", title="", config=MuonConfig, update="", default_learning_rate=1.0
+            )
+        )
     with pytest.raises(ValueError, match="cannot be removed"):
         unregister("adam_w")
 
