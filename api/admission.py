@@ -125,7 +125,7 @@ def _admit(svc: Services, request: SftRequest, key: IdempotencyKey | None, finge
             if replay is not None:
                 return replay
         _check_limits(session, svc)
-        _check_adapter_free(session, svc, plan.config.output_name)
+        _check_adapter_free(session, svc, plan.run.config.output_name)
         _check_no_later_checkpoints(svc, plan)
         try:
             job = insert_admitted_job(
@@ -144,7 +144,7 @@ def _admit(svc: Services, request: SftRequest, key: IdempotencyKey | None, finge
     published = publish(svc, job.id)  # (11)
     message = (
         f"SFT job admitted: {job.rows_kept} row(s) x {job.epochs} epoch(s) = {job.total_steps} step(s), "
-        f"{plan.segments.num_segments} checkpoint segment(s); queued"
+        f"{plan.run.segments.num_segments} checkpoint segment(s); queued"
     )
     return Admitted(job=job, summary=summary, message=message, replayed=False, published=published)
 
@@ -247,10 +247,10 @@ def _check_adapter_free(session: Session, svc: Services, name: str | None) -> No
 
 
 def _check_no_later_checkpoints(svc: Services, plan: AdmissionPlan) -> None:
-    name = plan.config.output_name
+    name, resume = plan.run.config.output_name, plan.run.resume
     assert name is not None
-    start = plan.resume.manifest.progress.global_step if plan.resume else 0
-    check_no_later_checkpoints(svc.settings.adapters_dir, name, start, resumed=plan.resume is not None)
+    start = resume.manifest.progress.global_step if resume else 0
+    check_no_later_checkpoints(svc.settings.adapters_dir, name, start, resumed=resume is not None)
 
 
 def lock_admissions(session: Session) -> None:

@@ -11,37 +11,25 @@ from api.admission_checks import IdempotencyKey
 from api.runner_gate import RunnerTarget, check_training_template
 from api.services import Services
 from kiln.store import new_job_id, states
-from kiln_train.data.ingestion import IngestionResult, ingest_examples, ingest_jsonl, resolve_dataset_path
+from kiln_train.data.ingestion import IngestionResult
+from kiln_train.data.row_source import row_source
 from kiln_train.data.validation import ValidationSet, prepare_validation
 from kiln_train.errors import backend_unsupported
 from kiln_train.ground.digest import json_sha256
-from kiln_train.plan.budget import available_budget
-from kiln_train.plan.memory import Breakdown
-from kiln_train.plan.resume_point import ResumePoint
-from kiln_train.plan.run_plan import checkpoint_plan_record, plan_run
-from kiln_train.plan.segments import SegmentPlan
+from kiln_train.plan.budget import memory_budget
+from kiln_train.plan.run_plan import RunPlan, plan_run
 from kiln_train.sft_config import SftConfig, SftRequest
 
 
 @dataclass(frozen=True)
 class AdmissionPlan:
+    """A submission's `RunPlan` (what a library run plans too) and what only the service has: the
+    job id, the request as submitted and the runner it was planned for."""
+
     job_id: str
-    config: SftConfig  # effective: resolved, defaults filled, segments stamped
     request: SftRequest
     target: RunnerTarget
-    ingestion: IngestionResult
-    segments: SegmentPlan
-    auto_segments: bool  # rows get the fewest segments that fit (planned, not given by the request)
-    resume: ResumePoint | None
-    budget_bytes: int  # the budget an auto plan's rows are planned against (a resume: the checkpoint's)
-    validation: ValidationSet | None = None  # the held-out rows (docs/validation.md)
-    validation_breakdown: Breakdown | None = None  # their forward's working set
-
-    @property
-    def memory_estimate_bytes(self) -> int:
-        """What the run needs at its peak: a training step or a validation forward."""
-        forward = self.validation_breakdown.total if self.validation_breakdown is not None else 0
-        return max(self.segments.breakdown.total, forward)
+    run: RunPlan
 
 
 def prepare_plan(svc: Services, request: SftRequest, target: RunnerTarget) -> AdmissionPlan:
@@ -59,37 +47,16 @@ def prepare_plan(svc: Services, request: SftRequest, target: RunnerTarget) -> Ad
         default_output_name=f"sft-{job_id[:8]}",
         default_checkpoint_interval=settings.training.checkpoint_interval,
     )
-    return AdmissionPlan(
-        job_id,
-        run.config,
-        request,
-        target,
-        run.ingestion,
-        run.segments,
-        run.auto_segments,
-        run.resume,
-        run.budget_bytes,
-        run.validation,
-        run.validation_breakdown,
-    )
+    return AdmissionPlan(job_id, request, target, run)
 
 
 def _ingest(svc: Services, request: SftRequest, config: SftConfig, target: RunnerTarget) -> IngestionResult:
     check_training_template(target)
     tokenizer = svc.tokenizers.get(target.model_path, target.identity.get("tokenizer_vocab_sha256"))
-    if request.examples is not None:
-        return ingest_examples(
-            list(request.examples), tokenizer=tokenizer, policy=config.invalid_row_policy, source="inline"
-        )
-    assert request.dataset_path is not None
-    path = resolve_dataset_path(request.dataset_path, svc.settings.datasets_dir)
-    return ingest_jsonl(
-        path,
-        tokenizer=tokenizer,
-        policy=config.invalid_row_policy,
-        source="dataset_path",
-        source_locator=request.dataset_path,
+    source = row_source(
+        examples=request.examples, dataset_path=request.dataset_path, datasets_root=svc.settings.datasets_dir
     )
+    return source.ingest(tokenizer=tokenizer, policy=config.invalid_row_policy)
 
 
 def _validation(
@@ -111,23 +78,24 @@ def _validation(
 
 
 def _available_bytes(svc: Services, target: RunnerTarget) -> int:
-    if target.free_memory_bytes is None:
-        raise backend_unsupported(f"runner {target.runner_id} reports no free device memory to admit against")
     memory = svc.settings.memory
-    return available_budget(
+    budget = memory_budget(
         target.backend,
-        total_bytes=target.total_memory_bytes or target.free_memory_bytes,
-        free_bytes=target.free_memory_bytes,
+        (target.free_memory_bytes, target.total_memory_bytes),
         reserve_gb=memory.reserve_gb,
         training_memory_gb=memory.training_memory_gb,
     )
+    if budget is None:
+        raise backend_unsupported(f"runner {target.runner_id} reports no free device memory to admit against")
+    return budget
 
 
 # ----- the rows (step 10) -------------------------------------------------------------------
 
 
 def job_fields(plan: AdmissionPlan, key: IdempotencyKey | None, fingerprint: str) -> dict:
-    config, rows = plan.config, len(plan.ingestion.rows)
+    run = plan.run
+    config, rows = run.config, len(run.ingestion.rows)
     return {
         "id": plan.job_id,
         "adapter_name": config.output_name,
@@ -138,30 +106,29 @@ def job_fields(plan: AdmissionPlan, key: IdempotencyKey | None, fingerprint: str
         "lora_alpha": config.lora_alpha,
         "epochs": config.epochs,
         "rows_kept": rows,
-        "total_steps": config.epochs * rows,
+        "total_steps": run.total_steps,
         "loss_route": plan.target.loss_route,
         "backend": plan.target.backend.name,
         "device": plan.target.backend.device,
         "idempotency_key": key.stored if key is not None else None,
         "request_fingerprint": fingerprint,
-        "resume_checkpoint": plan.resume.path.name if plan.resume else None,
+        "resume_checkpoint": run.resume.path.name if run.resume else None,
     }
 
 
 def admission_fields(plan: AdmissionPlan) -> dict:
-    config, ingestion, segments = plan.config, plan.ingestion, plan.segments
+    run = plan.run
+    config, ingestion, segments = run.config, run.ingestion, run.segments
     inline = plan.request.examples is not None
     breakdown = segments.breakdown.to_dict()
     breakdown["available_bytes"] = segments.available_bytes
-    if plan.validation_breakdown is not None:
-        breakdown["validation_forward"] = plan.validation_breakdown.to_dict()
+    if run.validation_breakdown is not None:
+        breakdown["validation_forward"] = run.validation_breakdown.to_dict()
     return {
         "loss_route": plan.target.loss_route,
         "optimizer": {"learning_rate": config.learning_rate, **config.optimizer.model_dump(mode="json")},
-        "checkpoint_plan": checkpoint_plan_record(
-            plan.segments, plan.auto_segments, plan.budget_bytes, plan.resume
-        ),
-        "memory_estimate_bytes": plan.memory_estimate_bytes,
+        "checkpoint_plan": run.checkpoint_plan(),
+        "memory_estimate_bytes": run.memory_estimate_bytes,
         "memory_breakdown": breakdown,
         "execution_identity_digest": plan.target.execution_identity_digest,
         "runner_id": plan.target.runner_id,
@@ -186,17 +153,18 @@ def validation_pin(request: SftRequest) -> dict | None:
 
 
 def first_event(plan: AdmissionPlan) -> dict:
+    run = plan.run
     return {
         "kind": states.EVENT_QUEUED,
         "message": "admitted and queued",
         "data": {
             "runner_id": plan.target.runner_id,
-            "rows_kept": len(plan.ingestion.rows),
-            "rows_rejected": plan.ingestion.receipt["rows_rejected"],
-            "total_steps": plan.config.epochs * len(plan.ingestion.rows),
-            "grad_checkpoint_segments": plan.segments.num_segments,
-            "memory_estimate_bytes": plan.memory_estimate_bytes,
-            "resume_checkpoint": plan.resume.path.name if plan.resume else None,
-            **({"validation_rows": len(plan.validation.rows)} if plan.validation is not None else {}),
+            "rows_kept": len(run.ingestion.rows),
+            "rows_rejected": run.ingestion.receipt["rows_rejected"],
+            "total_steps": run.total_steps,
+            "grad_checkpoint_segments": run.segments.num_segments,
+            "memory_estimate_bytes": run.memory_estimate_bytes,
+            "resume_checkpoint": run.resume.path.name if run.resume else None,
+            **({"validation_rows": len(run.validation.rows)} if run.validation is not None else {}),
         },
     }

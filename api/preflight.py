@@ -87,9 +87,9 @@ class PreflightResponse(_Out):
 
 
 def preflight_sft(svc: Services, body: object) -> PreflightResponse:
-    plan = plan_sft(svc, parse_submission(body))
-    request = plan.request
-    config, ingestion, segments, target = plan.config, plan.ingestion, plan.segments, plan.target
+    admitted = plan_sft(svc, parse_submission(body))
+    request, target, plan = admitted.request, admitted.target, admitted.run
+    config, ingestion, segments = plan.config, plan.ingestion, plan.segments
     rank_search = {
         "max_seq_len": ingestion.max_seq_len,
         "max_supervised_tokens": ingestion.max_supervised_tokens,

@@ -31,7 +31,7 @@ from kiln.store.errors import STORE_UNREACHABLE
 from kiln_train import checkpoint as ckpt
 from kiln_train.artifacts.fencing import RunIdentity, grab_leftover
 from kiln_train.errors import KilnError, OwnershipLost
-from kiln_train.plan.budget import available_budget, device_memory
+from kiln_train.plan.budget import device_memory, memory_budget
 from kiln_train.train.request import TrainRequest
 from kiln_train.train.resident import ResidentModel
 from kiln_train.train.result import TrainResult
@@ -434,18 +434,14 @@ class WorkerRuntime:
 
     def _reserve(self, pinned: PinnedJob) -> str | None:
         """Admission priced the step; check the device still has that much before touching it."""
-        backend = self.resident.backend
-        free, total = device_memory(backend.device)
-        if free is None:
-            return None
-        available = available_budget(
+        backend, memory = self.resident.backend, self.settings.memory
+        available = memory_budget(
             backend,
-            total_bytes=total or free,
-            free_bytes=free,
-            reserve_gb=self.settings.memory.reserve_gb,
-            training_memory_gb=self.settings.memory.training_memory_gb,
+            device_memory(backend.device),
+            reserve_gb=memory.reserve_gb,
+            training_memory_gb=memory.training_memory_gb,
         )
-        if pinned.memory_estimate_bytes <= available:
+        if available is None or pinned.memory_estimate_bytes <= available:
             return None
         gib = 2**30
         return (

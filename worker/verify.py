@@ -18,7 +18,8 @@ from kiln import store
 from kiln.settings import Settings
 from kiln_train import checkpoint as ckpt
 from kiln_train.checkpoint.resume_expectation import first_difference
-from kiln_train.data.ingestion import IngestionResult, ingest_examples, ingest_jsonl, resolve_dataset_path
+from kiln_train.data.ingestion import IngestionResult
+from kiln_train.data.row_source import EXAMPLES, row_source
 from kiln_train.data.validation import ValidationSet, prepare_validation
 from kiln_train.errors import KilnError
 from kiln_train.ground.digest import json_sha256
@@ -207,11 +208,12 @@ def _reingest(
     policy = config.invalid_row_policy
     common = {"tokenizer": resident.tokenizer, "template": resident.template, "policy": policy}
     try:
-        if pinned.data_source == "examples":
-            ingestion = ingest_examples(list(pinned.examples or []), **common)
-        else:
-            path = resolve_dataset_path(pinned.dataset_path, settings.datasets_dir)
-            ingestion = ingest_jsonl(path, source_locator=pinned.dataset_path, **common)
+        source = row_source(
+            examples=pinned.examples if pinned.data_source == EXAMPLES else None,
+            dataset_path=pinned.dataset_path if pinned.data_source != EXAMPLES else None,
+            datasets_root=settings.datasets_dir,
+        )
+        ingestion = source.ingest(**common)
     except KilnError as exc:
         raise PlanDrift("data", f"re-ingestion failed: {exc.message}") from None
     try:

@@ -22,7 +22,8 @@ from kiln_train.artifacts.adapter import (
     check_base_adapter_files,
 )
 from kiln_train.data.chat_template import training_template
-from kiln_train.data.ingestion import IngestionResult, ingest_examples, ingest_jsonl
+from kiln_train.data.ingestion import IngestionResult
+from kiln_train.data.row_source import RowSource
 from kiln_train.errors import TrainingFailure, invalid_request
 from kiln_train.ground.digest import file_digest
 from kiln_train.interop import bundle as bundle_mod
@@ -102,20 +103,9 @@ def export_sft(
         )
     template = training_template()
     policy = config.invalid_row_policy
-    if examples is not None:
-        ingestion = ingest_examples(list(examples), tokenizer=tokenizer, template=template, policy=policy)
-        sources = dict(enumerate(examples, start=1))
-    else:
-        assert dataset is not None
-        ingestion = ingest_jsonl(
-            dataset,
-            tokenizer=tokenizer,
-            template=template,
-            policy=policy,
-            source="dataset_path",
-            source_locator=dataset_locator,
-        )
-        sources = jsonl_objects(dataset)
+    source = RowSource(examples=examples, path=dataset, locator=dataset_locator)
+    ingestion = source.ingest(tokenizer=tokenizer, template=template, policy=policy)
+    sources = dict(enumerate(examples, start=1)) if examples is not None else jsonl_objects(dataset)
     if initial_tensors is None:
         initial = InitialAdapter(
             seeded_lora_tensors(resident.model, config.lora_rank, config.seed), "seeded", config.seed

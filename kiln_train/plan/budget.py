@@ -41,6 +41,29 @@ def available_budget(
     return max(0, available)
 
 
+def memory_budget(
+    backend: Backend,
+    memory: tuple[int | None, int | None],
+    *,
+    reserve_gb: float,
+    training_memory_gb: float | None = None,
+) -> int | None:
+    """The budget of the device whose `(free, total)` bytes are `memory`: what `device_memory`
+    measures now (the library, the worker at dequeue) or what a runner registered (admission).
+    None when the device reports no free memory; an unknown total is the free memory. The one
+    entry to `available_budget` for every caller."""
+    free, total = memory
+    if free is None:
+        return None
+    return available_budget(
+        backend,
+        total_bytes=total or free,
+        free_bytes=free,
+        reserve_gb=reserve_gb,
+        training_memory_gb=training_memory_gb,
+    )
+
+
 def cpu_available_bytes(meminfo: str | Path = "/proc/meminfo", cgroup: str | Path = "/sys/fs/cgroup") -> int:
     """Host memory a new allocation can get: `MemAvailable`, bounded by a cgroup v2 limit if set."""
     available = None

@@ -22,11 +22,12 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from kiln_train.data.ingestion import IngestionResult, ingest_examples, ingest_jsonl
+from kiln_train.data.ingestion import IngestionResult
+from kiln_train.data.row_source import row_source
 from kiln_train.data.validation import ValidationSet, prepare_validation
 from kiln_train.errors import ADAPTER_ALREADY_EXISTS, KilnError, backend_unsupported, invalid_request
 from kiln_train.ground.backend import backend_for_device
-from kiln_train.plan.budget import apply_cpu_allocator_policy, available_budget, device_memory
+from kiln_train.plan.budget import apply_cpu_allocator_policy, device_memory, memory_budget
 from kiln_train.plan.gates import check_base_adapter, check_static_gates, resident_target
 from kiln_train.plan.names import check_no_later_checkpoints, check_request_names
 from kiln_train.plan.run_plan import RunPlan, plan_run
@@ -209,30 +210,25 @@ def _plan(
 
 
 def _ingest(resident: ResidentModel, data: Data, policy: str) -> IngestionResult:
-    common = {"tokenizer": resident.tokenizer, "template": resident.template, "policy": policy}
     if isinstance(data, str | Path):
-        return ingest_jsonl(Path(data), **common)
-    if isinstance(data, list | tuple):
+        source = row_source(dataset_path=data)
+    elif isinstance(data, list | tuple):
         if not data:
             raise invalid_request("examples must contain at least one example")
-        return ingest_examples(list(data), **common)
-    raise invalid_request(
-        f"data must be a list of example objects or the path of a JSONL file, got {type(data).__name__}"
-    )
+        source = row_source(examples=list(data))
+    else:
+        raise invalid_request(
+            f"data must be a list of example objects or the path of a JSONL file, got {type(data).__name__}"
+        )
+    return source.ingest(tokenizer=resident.tokenizer, template=resident.template, policy=policy)
 
 
 def _available_bytes(resident: ResidentModel, memory: dict) -> int:
     backend = resident.backend
-    free, total = device_memory(backend.device)
-    if free is None:
+    budget = memory_budget(backend, device_memory(backend.device), **memory)
+    if budget is None:
         raise backend_unsupported(f"device {backend.device} reports no free memory to plan against")
-    return available_budget(
-        backend,
-        total_bytes=total or free,
-        free_bytes=free,
-        reserve_gb=memory["reserve_gb"],
-        training_memory_gb=memory["training_memory_gb"],
-    )
+    return budget
 
 
 def _check_adapter_free(registry: Path, name: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln_train.plan.budget import available_budget, cpu_available_bytes
+from kiln_train.plan.budget import available_budget, cpu_available_bytes, memory_budget
 from kiln_train.plan.memory import GIB
 from tests.kiln_train.plan.plan_support import CPU, CUDA
 
@@ -37,3 +37,15 @@ def test_cpu_available_bytes_reads_meminfo_and_cgroup(tmp_path):
     (cgroup / "memory.current").write_text(str(3 * GIB) + "\n")
     assert cpu_available_bytes(meminfo, cgroup) == 5 * GIB
     assert cpu_available_bytes() > 0  # this machine
+
+
+def test_memory_budget_is_the_budget_of_measured_or_registered_figures():
+    """The one entry the api, the worker and the library use: (free, total) as measured or registered."""
+    free, total = 70 * GIB, 80 * GIB
+    assert memory_budget(CUDA, (free, total), reserve_gb=1.0) == available_budget(
+        CUDA, total_bytes=total, free_bytes=free, reserve_gb=1.0
+    )
+    assert memory_budget(CUDA, (free, total), reserve_gb=1.0, training_memory_gb=20) == 20 * GIB
+    # An unknown total is the free memory; unknown free memory gives no budget at all.
+    assert memory_budget(CPU, (4 * GIB, None), reserve_gb=0.5) == 3 * GIB + GIB // 2
+    assert memory_budget(CPU, (None, 8 * GIB), reserve_gb=0.5) is None
