@@ -44,6 +44,6 @@ def test_the_bench_counts_saved_bytes_by_kind_next_to_the_minimum():
     saved, minimum = result["saved"], result["minimum"]
     assert result["dtype"] == "bf16" and result["seq_len"] == 128
     for kind in ("gdn_layer", "attention_layer", "mean_layer"):
-        # nothing keeps less than what LoRA's backward needs
-        assert minimum[kind] <= saved[kind], (kind, saved[kind], minimum[kind])
+        # nothing keeps less than what LoRA's backward needs; the model keeps within 1.5x of it
+        assert minimum[kind] <= saved[kind] <= 1.5 * minimum[kind], (kind, saved[kind], minimum[kind])
     assert saved["gdn"] > 0 and saved["mlp"] > 0
