@@ -18,6 +18,7 @@ from torch import nn
 from kiln_train.model.config import Qwen35Config
 from kiln_train.model.linear import FrozenLinear
 from kiln_train.model.norms import OffsetRMSNorm
+from kiln_train.model.recompute import project, recompute
 from kiln_train.model.rope import apply_partial_rope
 
 
@@ -37,14 +38,27 @@ class GatedAttention(nn.Module):
         self.q_norm = OffsetRMSNorm(d, config.rms_norm_eps, **kw)
         self.k_norm = OffsetRMSNorm(d, config.rms_norm_eps, **kw)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], norm: nn.Module | None = None
+    ) -> torch.Tensor:
+        """x [B, T, hidden] (pre-norm when `norm` is given). Backward keeps x, the q_proj output
+        (query and gate), k, v and the attention output; the q/k norms, RoPE and the attention
+        itself are recomputed there (docs/performance.md#saved-activations)."""
         b, t, _ = x.shape
-        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        query, gate = self.q_proj(x).view(b, t, h, 2 * d).chunk(2, dim=-1)
-        q = self.q_norm(query).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, t, kv, d)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, kv, d).transpose(1, 2)
+        h, d = self.num_heads, self.head_dim
+        query_gate, key, value = project(norm, (x,), (self.q_proj, self.k_proj, self.v_proj))
+        query, gate = query_gate.view(b, t, h, 2 * d).chunk(2, dim=-1)
         cos, sin = rope
+        o = recompute(self.attend, query, key, value, cos, sin)
+        return project(self.output_gate, (o, gate), (self.o_proj,), keep=True)[0]
+
+    def attend(self, query, key, value, cos, sin) -> torch.Tensor:
+        """Causal GQA softmax attention of the normed, rotated heads: [B, T, heads·head_dim]."""
+        b, t = query.shape[:2]
+        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_norm(query).transpose(1, 2)
+        k = self.k_norm(key.view(b, t, kv, d)).transpose(1, 2)
+        v = value.view(b, t, kv, d).transpose(1, 2)
         q = apply_partial_rope(q, cos, sin)
         k = apply_partial_rope(k, cos, sin)
         if kv != h:
@@ -53,5 +67,9 @@ class GatedAttention(nn.Module):
             k = k[:, :, None].expand(b, kv, g, t, d).reshape(b, h, t, d)
             v = v[:, :, None].expand(b, kv, g, t, d).reshape(b, h, t, d)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d**-0.5)
-        o = o.transpose(1, 2).reshape(b, t, h * d)
-        return self.o_proj(o * torch.sigmoid(gate.reshape(b, t, h * d)))
+        return o.transpose(1, 2).reshape(b, t, h * d)
+
+    @staticmethod
+    def output_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        b, t = o.shape[:2]
+        return o * torch.sigmoid(gate.reshape(b, t, o.shape[-1]))

@@ -20,6 +20,11 @@ from kiln_train.model.config import Qwen35Config
 from kiln_train.model.delta_rule import CHUNK_SIZE, IMPL_AUTO, gated_delta_rule, resolve_impl
 from kiln_train.model.linear import FrozenLinear
 from kiln_train.model.norms import GatedRMSNorm, compute_dtype
+from kiln_train.model.recompute import project, recompute
+
+# Backward rebuilds the conv and the delta rule of at most this many tokens at a time (the state
+# entering each block is kept), so its transient f32 working set does not grow with T.
+RECOMPUTE_BLOCK = 4096
 
 
 @dataclass
@@ -84,34 +89,73 @@ class GatedDeltaNet(nn.Module):
         self.impl = IMPL_AUTO
         self.chunk_size = CHUNK_SIZE
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_with_state(x, None, return_state=False)[0]
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
+        return self.forward_with_state(x, None, return_state=False, norm=norm)[0]
 
     def forward_with_state(
-        self, x: torch.Tensor, state: GdnState | None, *, return_state: bool = True
+        self,
+        x: torch.Tensor,
+        state: GdnState | None,
+        *,
+        return_state: bool = True,
+        norm: nn.Module | None = None,
     ) -> tuple[torch.Tensor, GdnState | None]:
-        """Mix x [B, T, D]; `state` continues a previous call (None = start of sequence)."""
-        b, t, _ = x.shape
-        mixed, conv_tail = self.conv1d(self.in_proj_qkv(x), None if state is None else state.conv)
+        """Mix x [B, T, D] (pre-norm when `norm` is given); `state` continues a previous call
+        (None = start of sequence).
+
+        Backward keeps x, the in_proj_qkv output (the conv input), the gate and β
+        pre-activations, z and the delta rule's output; the conv, the gates and the delta rule
+        are rebuilt there block by block (`RECOMPUTE_BLOCK` tokens, docs/performance.md)."""
+        t = x.shape[1]
+        projections = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        mixed, z, b_pre, a_pre = project(norm, (x,), projections)
+        conv = None if state is None else state.conv
+        recurrent = None if state is None else state.recurrent
+        outputs = []
+        for start in range(0, t, RECOMPUTE_BLOCK):
+            stop = min(t, start + RECOMPUTE_BLOCK)
+            carry = return_state or stop < t
+            block = (mixed[:, start:stop], b_pre[:, start:stop], a_pre[:, start:stop])
+            if carry:
+                o, conv, recurrent = recompute(self.mix_carry, *block, conv, recurrent)
+            else:
+                o = recompute(self.mix, *block, conv, recurrent)
+            outputs.append(o)
+        o = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+        y = project(self.gated_norm, (o, z), (self.out_proj,), keep=True)[0]
+        return y, (GdnState(conv, recurrent) if return_state else None)
+
+    def gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The per-head output norm gated by silu(z): [B, T, Nv, dv], [B, T, Nv·dv] -> [B, T, Nv·dv]."""
+        b, t = o.shape[:2]
+        return self.norm(o, z.reshape(b, t, self.num_v_heads, self.head_v_dim)).reshape(b, t, self.value_dim)
+
+    def mix(self, mixed, b_pre, a_pre, conv, recurrent) -> torch.Tensor:
+        return self._mix(mixed, b_pre, a_pre, conv, recurrent, False)[0]
+
+    def mix_carry(self, mixed, b_pre, a_pre, conv, recurrent):
+        return self._mix(mixed, b_pre, a_pre, conv, recurrent, True)
+
+    def _mix(self, mixed, b_pre, a_pre, conv, recurrent, carry: bool):
+        """conv + SiLU, gates, the gated delta rule: (o [B, T, Nv, dv], conv tail, final state)."""
+        b, t, _ = mixed.shape
+        mixed, conv_tail = self.conv1d(mixed, conv)
         q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
         q = q.reshape(b, t, self.num_k_heads, self.head_k_dim)
         k = k.reshape(b, t, self.num_k_heads, self.head_k_dim)
         v = v.reshape(b, t, self.num_v_heads, self.head_v_dim)
-        beta = torch.sigmoid(self.in_proj_b(x))
-        cdt = compute_dtype(x.dtype)
-        g = -self.A_log.to(cdt).exp() * F.softplus(self.in_proj_a(x).to(cdt) + self.dt_bias.to(cdt))
-        o, recurrent = gated_delta_rule(
+        beta = torch.sigmoid(b_pre)
+        cdt = compute_dtype(mixed.dtype)
+        g = -self.A_log.to(cdt).exp() * F.softplus(a_pre.to(cdt) + self.dt_bias.to(cdt))
+        o, final = gated_delta_rule(
             q,
             k,
             v,
             g,
             beta,
-            impl=resolve_impl(self.impl, x.device),
+            impl=resolve_impl(self.impl, mixed.device),
             chunk_size=self.chunk_size,
-            initial_state=None if state is None else state.recurrent,
-            output_final_state=return_state,
+            initial_state=recurrent,
+            output_final_state=carry,
         )
-        z = self.in_proj_z(x).reshape(b, t, self.num_v_heads, self.head_v_dim)
-        y = self.norm(o, z).reshape(b, t, self.value_dim)
-        new_state = GdnState(conv_tail, recurrent) if return_state else None
-        return self.out_proj(y), new_state
+        return o, conv_tail, final

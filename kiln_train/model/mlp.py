@@ -11,6 +11,7 @@ from torch import nn
 
 from kiln_train.kernels.paths import TORCH, TRITON
 from kiln_train.model.linear import FrozenLinear
+from kiln_train.model.recompute import project
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -30,10 +31,15 @@ class SwiGLU(nn.Module):
         self.up_proj = FrozenLinear(hidden, intermediate, **kw)
         self.down_proj = FrozenLinear(intermediate, hidden, **kw)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+    def product(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.kernel_path == TRITON:
             from kiln_train.kernels.swiglu import silu_mul as fused
 
-            return self.down_proj(fused(gate, up))
-        return self.down_proj(silu_mul(gate, up))
+            return fused(gate, up)
+        return silu_mul(gate, up)
+
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
+        """x [.., hidden] (the pre-norm hidden state when `norm` is given: the norm is recomputed
+        in backward instead of kept). Backward keeps x, gate and up (docs/performance.md)."""
+        gate, up = project(norm, (x,), (self.gate_proj, self.up_proj))
+        return project(self.product, (gate, up), (self.down_proj,), keep=True)[0]

@@ -60,9 +60,14 @@ class DecoderLayer(nn.Module):
         return self.layer_type == LINEAR_ATTENTION
 
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x = self.input_layernorm(h)
-        h = h + (self.linear_attn(x) if self.is_linear_attention else self.self_attn(x, rope))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # Each norm runs inside the projection group it feeds, so backward keeps the pre-norm h
+        # and recomputes the normed input (docs/performance.md#saved-activations).
+        norm = self.input_layernorm
+        mixed = (
+            self.linear_attn(h, norm=norm) if self.is_linear_attention else self.self_attn(h, rope, norm=norm)
+        )
+        h = h + mixed
+        return h + self.mlp(h, norm=self.post_attention_layernorm)
 
 
 class Qwen35Model(nn.Module):

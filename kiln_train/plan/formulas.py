@@ -262,3 +262,26 @@ def eval_loss_workspace_bytes(config: Qwen35Config, route: str, t: int, a: int, 
     if route == FULL_LOGITS:
         return e * t * v + (F32 * t * v if low else 0) + F32 * t * v + e * t * h
     raise invalid_request(f"no memory estimate for SFT loss route {route!r}; known: {list(ESTIMATED_ROUTES)}")
+
+
+# ----- the derived minimum of saved activations (docs/performance.md#saved-activations) -----------
+
+
+def minimum_saved_bytes_per_token(config: Qwen35Config, layer_type: str, e: int) -> int:
+    """Bytes per token one decoder layer must keep for LoRA's backward when every base-weight
+    matmul runs once and everything cheaper (norms, gates, conv, the token mixer itself) may be
+    recomputed: the input of each projection group once, in the activation dtype `e`.
+
+    Both kinds: the two block-norm inputs (2h) and SwiGLU's gate and up (2i). Gated DeltaNet: the
+    conv input from in_proj_qkv (2·kd + vd), the gate and β pre-activations (2·nv), the delta
+    rule's output and the z gate (2·vd). Gated attention: the query and key before their norms and
+    v (qd + 2·kvd), the attention output and its sigmoid gate (2·qd).
+    """
+    h, i = config.hidden_size, config.intermediate_size
+    common = 2 * h + 2 * i
+    if layer_type == FULL_ATTENTION:
+        qd = config.num_attention_heads * config.head_dim
+        kvd = config.num_key_value_heads * config.head_dim
+        return e * (common + 3 * qd + 2 * kvd)
+    nv, vd = config.linear_num_value_heads, config.linear_value_dim
+    return e * (common + config.linear_conv_dim + 2 * nv + 2 * vd)

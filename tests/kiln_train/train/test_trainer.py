@@ -325,13 +325,13 @@ def test_forward_and_backward_run_inside_the_training_scope(resident, ingestion,
     """
     from kiln_train.train.scope import TRAINING_SCOPE
 
-    module = resident.model.get_submodule("layers.0.mlp.up_proj")
+    module = resident.model.get_submodule("layers.0.mlp")
     real_forward = module.forward
     seen = []
 
-    def forward(x):
+    def forward(*args, **kwargs):
         seen.append((TRAINING_SCOPE.get(), torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
-        return real_forward(x)
+        return real_forward(*args, **kwargs)
 
     monkeypatch.setattr(module, "forward", forward)
     config = make_config(seed=SEED, epochs=1, adapter_smoke_test=True, adapter_smoke_prompts=["Hi"])
