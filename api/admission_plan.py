@@ -11,7 +11,13 @@ from api.admission_checks import IdempotencyKey
 from api.runner_gate import RunnerTarget, check_training_template
 from api.services import Services
 from kiln.store import new_job_id, states
-from kiln_train.data.ingestion import IngestionResult, ingest_examples, ingest_jsonl, resolve_dataset_path
+from kiln_train.data.ingestion import (
+    IngestionResult,
+    LengthRule,
+    ingest_examples,
+    ingest_jsonl,
+    resolve_dataset_path,
+)
 from kiln_train.data.validation import ValidationSet, prepare_validation
 from kiln_train.errors import backend_unsupported
 from kiln_train.ground.digest import json_sha256
@@ -79,7 +85,11 @@ def _ingest(svc: Services, request: SftRequest, config: SftConfig, target: Runne
     tokenizer = svc.tokenizers.get(target.model_path, target.identity.get("tokenizer_vocab_sha256"))
     if request.examples is not None:
         return ingest_examples(
-            list(request.examples), tokenizer=tokenizer, policy=config.invalid_row_policy, source="inline"
+            list(request.examples),
+            tokenizer=tokenizer,
+            policy=config.invalid_row_policy,
+            source="inline",
+            limit=LengthRule.of_config(config),
         )
     assert request.dataset_path is not None
     path = resolve_dataset_path(request.dataset_path, svc.settings.datasets_dir)
@@ -89,6 +99,7 @@ def _ingest(svc: Services, request: SftRequest, config: SftConfig, target: Runne
         policy=config.invalid_row_policy,
         source="dataset_path",
         source_locator=request.dataset_path,
+        limit=LengthRule.of_config(config),
     )
 
 
@@ -107,6 +118,7 @@ def _validation(
         policy=config.invalid_row_policy,
         seed=config.seed,
         datasets_root=svc.settings.datasets_dir,
+        limit=LengthRule.of_config(config),
     )
 
 
@@ -175,7 +187,13 @@ def admission_fields(plan: AdmissionPlan) -> dict:
         "max_seq_len": ingestion.max_seq_len,
         "max_supervised_tokens": ingestion.max_supervised_tokens,
         "validation": validation_pin(plan.request),
+        "requested_config": requested_config(plan.request.config),
     }
+
+
+def requested_config(config: SftConfig) -> dict:
+    """The request's `config` as sent: only the fields the client set (nested ones too)."""
+    return config.model_dump(mode="json", exclude_unset=True)
 
 
 def validation_pin(request: SftRequest) -> dict | None:

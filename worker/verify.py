@@ -18,7 +18,13 @@ from kiln import store
 from kiln.settings import Settings
 from kiln_train import checkpoint as ckpt
 from kiln_train.checkpoint.resume_expectation import first_difference
-from kiln_train.data.ingestion import IngestionResult, ingest_examples, ingest_jsonl, resolve_dataset_path
+from kiln_train.data.ingestion import (
+    IngestionResult,
+    LengthRule,
+    ingest_examples,
+    ingest_jsonl,
+    resolve_dataset_path,
+)
 from kiln_train.data.validation import ValidationSet, prepare_validation
 from kiln_train.errors import KilnError
 from kiln_train.ground.digest import json_sha256
@@ -60,6 +66,7 @@ class PinnedJob:
     recorded_checkpoints: dict  # basename -> manifest sha256 (from the job's checkpoints rows)
     total_steps: int = 0
     validation: dict | None = None  # the request's `validation` as admitted (docs/validation.md)
+    requested_config: dict | None = None  # the request's `config` as sent (None: admitted before it was kept)
 
 
 # PinnedJob fields copied unchanged from the job row and from its admission row.
@@ -73,6 +80,7 @@ PINNED_ADMISSION_COLUMNS = (
     "examples",
     "dataset_path",
     "validation",
+    "requested_config",
 )
 
 
@@ -206,6 +214,7 @@ def _reingest(
 ) -> tuple[IngestionResult, ValidationSet | None]:
     policy = config.invalid_row_policy
     common = {"tokenizer": resident.tokenizer, "template": resident.template, "policy": policy}
+    common["limit"] = LengthRule.of_config(config)
     try:
         if pinned.data_source == "examples":
             ingestion = ingest_examples(list(pinned.examples or []), **common)

@@ -264,16 +264,24 @@ def _label(p: _Pending, enc, limit: LengthRule | None) -> RowOutcome:
 
 @dataclass(frozen=True)
 class LengthRule:
-    """`config.max_length` and `config.truncation`."""
+    """`config.max_length` and `config.truncation` (docs/ingestion.md#length-limits)."""
 
     max_length: int
     truncation: str = "error"
 
     @classmethod
-    def of(cls, max_length: int | None, truncation: str | None) -> LengthRule | None:
+    def of(cls, max_length: int | None, truncation: str | None = None) -> LengthRule | None:
+        """The rule for these settings; None when there is no limit."""
         if max_length is None:
             return None
+        if truncation not in (None, *TRUNCATIONS):
+            raise ValueError(f"truncation must be one of {', '.join(TRUNCATIONS)}, got {truncation!r}")
         return cls(max_length, truncation or "error")
+
+    @classmethod
+    def of_config(cls, config) -> LengthRule | None:
+        """The rule of an `SftConfig` (anything with `max_length` and `truncation`)."""
+        return cls.of(getattr(config, "max_length", None), getattr(config, "truncation", None))
 
 
 class OutcomeStream:

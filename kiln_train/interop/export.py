@@ -22,7 +22,7 @@ from kiln_train.artifacts.adapter import (
     check_base_adapter_files,
 )
 from kiln_train.data.chat_template import training_template
-from kiln_train.data.ingestion import IngestionResult, ingest_examples, ingest_jsonl
+from kiln_train.data.ingestion import IngestionResult, LengthRule, ingest_examples, ingest_jsonl
 from kiln_train.errors import TrainingFailure, invalid_request
 from kiln_train.ground.digest import file_digest
 from kiln_train.interop import bundle as bundle_mod
@@ -103,7 +103,13 @@ def export_sft(
     template = training_template()
     policy = config.invalid_row_policy
     if examples is not None:
-        ingestion = ingest_examples(list(examples), tokenizer=tokenizer, template=template, policy=policy)
+        ingestion = ingest_examples(
+            list(examples),
+            tokenizer=tokenizer,
+            template=template,
+            policy=policy,
+            limit=LengthRule.of_config(config),
+        )
         sources = dict(enumerate(examples, start=1))
     else:
         assert dataset is not None
@@ -114,6 +120,7 @@ def export_sft(
             policy=policy,
             source="dataset_path",
             source_locator=dataset_locator,
+            limit=LengthRule.of_config(config),
         )
         sources = jsonl_objects(dataset)
     if initial_tensors is None:

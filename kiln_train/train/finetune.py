@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from kiln_train.data.ingestion import IngestionResult, ingest_examples, ingest_jsonl
+from kiln_train.data.ingestion import IngestionResult, LengthRule, ingest_examples, ingest_jsonl
 from kiln_train.data.validation import ValidationSet, prepare_validation
 from kiln_train.errors import ADAPTER_ALREADY_EXISTS, KilnError, backend_unsupported, invalid_request
 from kiln_train.ground.backend import backend_for_device
@@ -102,6 +102,7 @@ def finetune(
             run_id=run_id,
             validation=plan.validation,
             on_evaluation=on_evaluation,
+            requested_config=parsed.model_dump(mode="json", exclude_unset=True),
         )
     )
 
@@ -137,6 +138,7 @@ def _validate(
         policy=config.invalid_row_policy,
         seed=config.seed,
         datasets_root=root,
+        limit=LengthRule.of_config(config),
     )
 
 
@@ -194,7 +196,7 @@ def _plan(
         config,
         target,
         adapters_dir=registry,
-        ingest=lambda effective: _ingest(resident, data, effective.invalid_row_policy),
+        ingest=lambda effective: _ingest(resident, data, effective),
         available_bytes=lambda: _available_bytes(resident, memory),
         default_output_name=f"sft-{run_id[:8]}",
         server=False,
@@ -208,8 +210,13 @@ def _plan(
     return plan, run_id
 
 
-def _ingest(resident: ResidentModel, data: Data, policy: str) -> IngestionResult:
-    common = {"tokenizer": resident.tokenizer, "template": resident.template, "policy": policy}
+def _ingest(resident: ResidentModel, data: Data, config: SftConfig) -> IngestionResult:
+    common = {
+        "tokenizer": resident.tokenizer,
+        "template": resident.template,
+        "policy": config.invalid_row_policy,
+        "limit": LengthRule.of_config(config),
+    }
     if isinstance(data, str | Path):
         return ingest_jsonl(Path(data), **common)
     if isinstance(data, list | tuple):
