@@ -11,7 +11,7 @@ from api.admission_checks import IdempotencyKey
 from api.runner_gate import RunnerTarget, check_training_template
 from api.services import Services
 from kiln.store import new_job_id, states
-from kiln_train.data.ingestion import IngestionResult
+from kiln_train.data.ingestion import IngestionResult, LengthRule
 from kiln_train.data.row_source import row_source
 from kiln_train.data.validation import ValidationSet, prepare_validation
 from kiln_train.errors import backend_unsupported
@@ -56,7 +56,9 @@ def _ingest(svc: Services, request: SftRequest, config: SftConfig, target: Runne
     source = row_source(
         examples=request.examples, dataset_path=request.dataset_path, datasets_root=svc.settings.datasets_dir
     )
-    return source.ingest(tokenizer=tokenizer, policy=config.invalid_row_policy)
+    return source.ingest(
+        tokenizer=tokenizer, policy=config.invalid_row_policy, limit=LengthRule.of_config(config)
+    )
 
 
 def _validation(
@@ -74,6 +76,7 @@ def _validation(
         policy=config.invalid_row_policy,
         seed=config.seed,
         datasets_root=svc.settings.datasets_dir,
+        limit=LengthRule.of_config(config),
     )
 
 
@@ -142,7 +145,13 @@ def admission_fields(plan: AdmissionPlan) -> dict:
         "max_seq_len": ingestion.max_seq_len,
         "max_supervised_tokens": ingestion.max_supervised_tokens,
         "validation": validation_pin(plan.request),
+        "requested_config": requested_config(plan.request.config),
     }
+
+
+def requested_config(config: SftConfig) -> dict:
+    """The request's `config` as sent: only the fields the client set (nested ones too)."""
+    return config.model_dump(mode="json", exclude_unset=True)
 
 
 def validation_pin(request: SftRequest) -> dict | None:

@@ -266,11 +266,14 @@ def inspect_file(path: Path, tokenizer, policy: str, locator: str) -> Inspection
         raise invalid_request(f"invalid_row_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     _quiet_ingestion()
     try:
-        outcomes = list(iter_jsonl_outcomes(path, tokenizer=tokenizer))
+        stream = iter_jsonl_outcomes(path, tokenizer=tokenizer)
+        outcomes = list(stream)
     except OSError as exc:
         raise invalid_request(f"cannot read dataset {locator!r}: {exc.strerror or exc}") from None
     try:
-        result = apply_invalid_row_policy(outcomes, policy, "dataset_path", locator)
+        result = apply_invalid_row_policy(
+            outcomes, policy, "dataset_path", locator, blank_lines=stream.blank_lines
+        )
     except KilnError as exc:
         kept = [o.tokenized for o in outcomes if o.kept]
         return Inspection(

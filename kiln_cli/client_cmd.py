@@ -114,6 +114,12 @@ SFT_CONFIG_OPTIONS = (
     click.option("--output-name", metavar="NAME", help="Adapter name (auto when omitted)."),
     click.option("--base-adapter", metavar="NAME", help="Warm-start from this PEFT adapter's weights."),
     click.option("--invalid-row-policy", type=click.Choice(["fail", "skip"]), help="What a bad row does."),
+    click.option("--max-length", type=int, help="Longest row in tokens (none by default)."),
+    click.option(
+        "--truncation",
+        type=click.Choice(["error", "right"]),
+        help="A row over --max-length: error (too_long, default) or right (cut it).",
+    ),
     click.option("--grad-checkpoint-segments", type=int, help="Gradient checkpoint segments."),
     click.option("--allow-high-lora-scale", is_flag=True, default=None, help="Allow alpha/rank > 2."),
     click.option("--detect-anomaly", is_flag=True, default=None, help="Scan every backward op for NaN/Inf."),

@@ -94,7 +94,11 @@ def echo_row(outcome: RowOutcome, color: bool) -> None:
         status = f"REJECTED {outcome.reason}: {visible(outcome.detail or '')}"
         if color:
             status = click.style(status, fg="red", bold=True)
-    click.echo(f"── row {outcome.row_index}  {outcome.row_sha256}  {status}")
+    where = f"  line {outcome.line}" if outcome.line is not None else ""
+    fmt = f"  {outcome.format}" if outcome.format else ""
+    click.echo(f"── row {outcome.row_index}{where}{fmt}  {outcome.row_sha256}  {status}")
+    if outcome.conversion and outcome.format != "messages":
+        click.echo(f"   converted: {outcome.conversion}")
     if outcome.rendered is not None:
         shown = highlight(outcome.rendered.text, outcome.rendered.spans, color)
         click.echo(shown, nl=not shown.endswith("\n"))
@@ -123,7 +127,8 @@ def register(cli: click.Group) -> None:
             sys.exit(2)
         logging.getLogger("kiln_train.data.ingestion").setLevel(logging.ERROR)  # rows are shown below
         try:
-            outcomes = list(iter_jsonl_outcomes(file, tokenizer=tokenizer, template=template))
+            stream = iter_jsonl_outcomes(file, tokenizer=tokenizer, template=template)
+            outcomes = list(stream)
         except OSError as exc:
             click.echo(f"kiln: cannot read {file}: {exc.strerror or exc}", err=True)
             sys.exit(2)
@@ -134,7 +139,9 @@ def register(cli: click.Group) -> None:
             else:
                 echo_row(outcome, color)
         try:
-            result = apply_invalid_row_policy(outcomes, policy, "dataset_path", str(file))
+            result = apply_invalid_row_policy(
+                outcomes, policy, "dataset_path", str(file), blank_lines=stream.blank_lines
+            )
         except KilnError as exc:
             if as_json:
                 click.echo(json.dumps(exc.envelope()))

@@ -47,6 +47,8 @@ CONFIG_FIELDS = {
     "output_name": "output_name",
     "base_adapter": "base_adapter",
     "invalid_row_policy": "invalid_row_policy",
+    "max_length": "max_length",
+    "truncation": "truncation",
     "grad_checkpoint_segments": "grad_checkpoint_segments",
     "allow_high_lora_scale": "allow_high_lora_scale",
     "detect_anomaly": "detect_anomaly",

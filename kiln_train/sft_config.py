@@ -43,6 +43,8 @@ U64_MAX = 2**64 - 1
 # value reaches arithmetic (alpha / rank as a float) or a 32-bit job-store column out of range.
 MAX_LORA_RANK = MAX_DIMENSION
 MAX_GRAD_CHECKPOINT_SEGMENTS = MAX_LAYERS
+# `max_length` bound: a 32-bit store column holds it; no Qwen3.5 context is longer.
+MAX_ROW_TOKENS = 2**31 - 1
 # Held-out validation (docs/validation.md): a holdout takes 1..=50 percent of the submitted rows.
 MIN_HOLDOUT_PERCENT, MAX_HOLDOUT_PERCENT = 1, 50
 LR_WARNING_BAND = 50.0
@@ -93,6 +95,10 @@ class SftConfig(BaseModel):
 
     training_profile: Literal["native_online_lora_v1"] = TRAINING_PROFILE
     invalid_row_policy: Literal["fail", "skip"] = "fail"
+    # Row length limit (docs/ingestion.md#length-limits): none by default; "error" rejects a longer
+    # row `too_long`, "right" cuts it (opt-in). At least 2: a row needs a token after position 0.
+    max_length: int | None = Field(default=None, ge=2, le=MAX_ROW_TOKENS)
+    truncation: Literal["error", "right"] = "error"
     epochs: int = Field(default=3, ge=1, le=100_000)
     learning_rate: float | None = None
     lora_rank: int = Field(default=16, ge=1, le=MAX_LORA_RANK)
@@ -174,6 +180,8 @@ class SftConfig(BaseModel):
                 f"LoRA scale lora_alpha/lora_rank = {self.lora_alpha:g}/{self.lora_rank} is 0 in f32: the "
                 "adapter's update would always be zero; raise lora_alpha"
             )
+        if self.truncation == "right" and self.max_length is None:
+            raise ValueError('truncation "right" requires max_length (the length rows are cut to)')
         if self.adapter_smoke_prompts is not None and not self.adapter_smoke_test:
             raise ValueError("adapter_smoke_prompts requires adapter_smoke_test=true")
         minimum_rank = optimizer_kind(self.optimizer.kind).minimum_rank

@@ -405,6 +405,7 @@ class WorkerRuntime:
                 fence=self._run_of(pinned.job_id).fence,
                 validation=work.validation,
                 on_evaluation=lambda evaluation: self.recording.on_evaluation(pinned.job_id, evaluation),
+                requested_config=pinned.requested_config,
             )
         )
 

@@ -18,7 +18,7 @@ from kiln import store
 from kiln.settings import Settings
 from kiln_train import checkpoint as ckpt
 from kiln_train.checkpoint.resume_expectation import first_difference
-from kiln_train.data.ingestion import IngestionResult
+from kiln_train.data.ingestion import IngestionResult, LengthRule
 from kiln_train.data.row_source import EXAMPLES, row_source
 from kiln_train.data.validation import ValidationSet, prepare_validation
 from kiln_train.errors import KilnError
@@ -61,6 +61,7 @@ class PinnedJob:
     recorded_checkpoints: dict  # basename -> manifest sha256 (from the job's checkpoints rows)
     total_steps: int = 0
     validation: dict | None = None  # the request's `validation` as admitted (docs/validation.md)
+    requested_config: dict | None = None  # the request's `config` as sent (None: admitted before it was kept)
 
 
 # PinnedJob fields copied unchanged from the job row and from its admission row.
@@ -74,6 +75,7 @@ PINNED_ADMISSION_COLUMNS = (
     "examples",
     "dataset_path",
     "validation",
+    "requested_config",
 )
 
 
@@ -207,6 +209,7 @@ def _reingest(
 ) -> tuple[IngestionResult, ValidationSet | None]:
     policy = config.invalid_row_policy
     common = {"tokenizer": resident.tokenizer, "template": resident.template, "policy": policy}
+    common["limit"] = LengthRule.of_config(config)
     try:
         source = row_source(
             examples=pinned.examples if pinned.data_source == EXAMPLES else None,

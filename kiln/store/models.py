@@ -222,6 +222,8 @@ class Admission(Base):
     created_at: Mapped[datetime]
     # The request's `validation` object as admitted (docs/validation.md); NULL without validation.
     validation: Mapped[dict[str, Any] | None]
+    # The request's `config` as sent (the fields the client set); NULL for older admissions.
+    requested_config: Mapped[dict[str, Any] | None]
 
     job: Mapped[Job] = relationship(back_populates="admission")
 

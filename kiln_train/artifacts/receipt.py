@@ -67,6 +67,7 @@ class RunFacts:
     adapter_smoke_test: dict | None = None
     phase_timings: dict = field(default_factory=dict)
     validation: dict | None = None  # kiln.sft-validation.v1 (docs/validation.md); None without validation
+    requested_config: dict | None = None  # the request's `config` as sent; None when not known
 
 
 def build_receipt(
@@ -111,6 +112,9 @@ def build_receipt(
     # receipt it always did): the corpus, every evaluation and the best one
     if facts.validation is not None:
         receipt["validation"] = facts.validation
+    # additive: the request as sent beside the effective config ("asked vs ran"), when known
+    if facts.requested_config is not None:
+        receipt["requested_config"] = facts.requested_config
     receipt["config"] = facts.config
     return receipt
 

@@ -68,7 +68,29 @@ INVALID_JSON = "invalid_json"
 EMPTY_MESSAGES = "empty_messages"
 INVALID_ROLE = "invalid_role"
 TOKENIZATION_ERROR = "tokenization_error"
-REJECTION_REASONS = (INVALID_JSON, EMPTY_MESSAGES, INVALID_ROLE, TOKENIZATION_ERROR)
+# Row formats (row_formats.py), row rules and length limits (ingestion.py): Kiln's own reasons.
+AMBIGUOUS_FORMAT = "ambiguous_format"
+UNSUPPORTED_FORMAT = "unsupported_format"
+UNKNOWN_FIELD = "unknown_field"
+INVALID_FIELD_TYPE = "invalid_field_type"
+EMPTY_OUTPUT = "empty_output"
+EMPTY_RESPONSE = "empty_response"
+TOO_LONG = "too_long"
+ANSWER_TRUNCATED = "answer_truncated"
+REJECTION_REASONS = (
+    INVALID_JSON,
+    EMPTY_MESSAGES,
+    INVALID_ROLE,
+    TOKENIZATION_ERROR,
+    AMBIGUOUS_FORMAT,
+    UNSUPPORTED_FORMAT,
+    UNKNOWN_FIELD,
+    INVALID_FIELD_TYPE,
+    EMPTY_OUTPUT,
+    EMPTY_RESPONSE,
+    TOO_LONG,
+    ANSWER_TRUNCATED,
+)
 
 # serde_json's default recursion limit: it starts at 128 and refuses the value whose opening
 # bracket brings it to 0, so 127 nested arrays/objects are the most a Rust reference row can hold.
@@ -162,6 +184,11 @@ def _opt_str(msg: dict, key: str, where: str) -> str | None:
     if value is not None and not isinstance(value, str):
         raise RowSchemaError(f"{where}.{key}", f"expected a string or null, got {_kind(value)}")
     return value
+
+
+def kind_of(value) -> str:
+    """The JSON kind of `value` as messages name it (`string`, `array`, `null`, ...)."""
+    return _kind(value)
 
 
 def _kind(value) -> str:

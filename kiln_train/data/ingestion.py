@@ -1,56 +1,49 @@
 """SFT ingestion: rows in, tokenized rows and the `kiln.sft-ingestion.v1` receipt out (docs/ingestion.md).
 
-Every transport reaches one path: parse -> row identity -> role checks -> render (training
-template) -> tokenize -> assistant-only labels -> row checks. No truncation, packing, splitting or
-dedup, ever: one accepted row is one conversation is one sequence.
+Every transport reaches one path (`row_pipeline`): parse -> row format (`row_formats`: messages,
+instruction, prompt/completion conversational or plain text, each converted into the one
+conversation the template renders) -> row identity -> role checks -> render (training template)
+-> tokenize -> assistant-only labels -> row checks -> the length rule. No packing, splitting or
+dedup, ever; truncation only when a request opts into `config.truncation: "right"`: one accepted
+row is one conversation is one sequence.
 
 Transports:
-- inline `examples` (`ingest_examples`): objects from the request body. An example that cannot
-  be deserialised as an SFT example is a transport error (400 `training_invalid_request` naming
-  the field), never a skippable row -- `invalid_json` exists for JSONL only (docs/ingestion.md#transports).
+- inline `examples` (`ingest_examples`): objects from the request body. A `messages` example that
+  cannot be deserialised is a transport error (400 `training_invalid_request` naming the field),
+  never a skippable row -- `invalid_json` exists for JSONL only (docs/ingestion.md#transports).
+  A row of another format is a row: its problems are row rejections under the policy.
 - server-local JSONL (`ingest_jsonl`, path from `resolve_dataset_path`): split on `\\n`, strip
-  ASCII whitespace (space, tab, LF, FF, CR); an empty result is a blank line: ignored, not a row,
-  not counted. Every other line is one row, numbered from 1. A row must be UTF-8 JSON text as
-  serde_json reads it: a line that is not UTF-8, starts with a byte-order mark (only ASCII
-  whitespace is trimmed, so a BOM left by an editor makes row 1 `invalid_json`, with a detail that
-  says so), repeats a key inside an object, or nests deeper than 127 arrays/objects is
-  `invalid_json` (`conversation.decode_json`). The last line needs no newline; lines of any
-  length are read whole (nothing is ever truncated).
+  ASCII whitespace (space, tab, LF, FF, CR); an empty result is a blank line: not a row, but
+  counted in the physical line numbers errors name and in the receipt's `row_counts.blank_lines`.
+  Every other line is one row, numbered from 1. A row must be UTF-8 JSON text as serde_json reads
+  it: a line that is not UTF-8, starts with a byte-order mark (only ASCII whitespace is trimmed,
+  so a BOM left by an editor makes row 1 `invalid_json`, with a detail that says so), repeats a
+  key inside an object, or nests deeper than 127 arrays/objects is `invalid_json`
+  (`conversation.decode_json`). The last line needs no newline; lines of any length are read whole.
 
-Rejection reasons, in contract order: `invalid_json`, `empty_messages`, `invalid_role`,
+Rejection reasons, contract ones first: `invalid_json`, `empty_messages`, `invalid_role`,
 `tokenization_error` (template failure, span-marker collision, undecodable tool arguments,
 non-text content, a tool result that answers no call, an empty function name, output the template
 would drop (`function_call`, `refusal`), fewer than 2 tokens, or no supervised token at a position
->= 1; the rules Kiln adds where the contract is silent are listed in `conversation`'s docstring).
+>= 1; the rules Kiln adds where the contract is silent are listed in `conversation`'s docstring);
+then Kiln's: the row-format reasons (`row_formats`), `empty_response`, `too_long` and
+`answer_truncated`.
 
 Policies: `fail` (the first rejected row rejects the submission: `training_invalid_request`,
-"SFT row <n> (<row_sha256>) rejected as <reason>: <detail>") and `skip` (rejected rows are
-recorded and logged; at least one row must remain). The receipt lives in `ingestion_receipt`;
-reading the transports (and the dataset path rule) in `ingestion_sources`.
+"line <l>: SFT row <n> (<row_sha256>) rejected as <reason>: <detail>", the line only for a file)
+and `skip` (rejected rows are recorded with their line and logged; at least one row must remain).
+The receipt lives in `ingestion_receipt`; reading the transports (and the dataset path rule) in
+`ingestion_sources`.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kiln_train.data.chat_template import (
-    ChatTemplate,
-    RenderedConversation,
-    TemplateRenderError,
-    training_template,
-)
-from kiln_train.data.conversation import (
-    INVALID_JSON,
-    TOKENIZATION_ERROR,
-    RowRejection,
-    RowSchemaError,
-    check_roles,
-    prepare_for_template,
-)
+from kiln_train.data.chat_template import ChatTemplate
 from kiln_train.data.ingestion_receipt import (
     INGESTION_SCHEMA,
     POLICIES,
@@ -58,32 +51,31 @@ from kiln_train.data.ingestion_receipt import (
     build_ingestion_receipt,
     validate_ingestion_receipt,
 )
-from kiln_train.data.ingestion_sources import (
-    SourceRow,
-    example_rows,
-    jsonl_rows,
-    parse_row,
-    resolve_dataset_path,
-)
-from kiln_train.data.labels import MASK_CONTRACT, label_encoding
-from kiln_train.data.row_identity import (
-    PARSED_ROW_DOMAIN,
-    domain_digest,
-    kept_corpus_sha256,
-    parsed_row_sha256,
-    raw_row_sha256,
+from kiln_train.data.ingestion_sources import resolve_dataset_path
+from kiln_train.data.labels import MASK_CONTRACT
+from kiln_train.data.row_formats import MESSAGES
+from kiln_train.data.row_identity import kept_corpus_sha256, parsed_row_sha256, raw_row_sha256
+from kiln_train.data.row_pipeline import (
+    IngestionTimings,
+    LengthRule,
+    OutcomeStream,
+    RowOutcome,
+    TokenizedRow,
+    iter_example_outcomes,
+    iter_jsonl_outcomes,
 )
 from kiln_train.errors import invalid_request
 
 log = logging.getLogger(__name__)
 
-CHUNK_ROWS = 256  # rows rendered, then tokenized together with encode_batch
 
 __all__ = [
     "INGESTION_SCHEMA",
     "MASK_CONTRACT",
     "IngestionResult",
     "IngestionTimings",
+    "LengthRule",
+    "OutcomeStream",
     "RowOutcome",
     "apply_invalid_row_policy",
     "build_ingestion_receipt",
@@ -98,37 +90,6 @@ __all__ = [
     "resolve_dataset_path",
     "validate_ingestion_receipt",
 ]
-
-
-@dataclass(frozen=True)
-class TokenizedRow:
-    """One accepted row: token ids and aligned labels (-100 where not supervised)."""
-
-    row_index: int
-    row_sha256: str
-    input_ids: list[int]
-    labels: list[int]
-    supervised_tokens: int  # supervised targets at positions >= 1
-
-    @property
-    def seq_len(self) -> int:
-        return len(self.input_ids)
-
-
-@dataclass(frozen=True)
-class RowOutcome:
-    """What happened to one non-blank row: `tokenized` when kept, `reason`/`detail` when rejected."""
-
-    row_index: int
-    row_sha256: str
-    tokenized: TokenizedRow | None = None
-    rendered: RenderedConversation | None = None
-    reason: str | None = None
-    detail: str | None = None
-
-    @property
-    def kept(self) -> bool:
-        return self.tokenized is not None
 
 
 @dataclass(frozen=True)
@@ -164,179 +125,47 @@ class IngestionResult:
     total_supervised_tokens: int
 
 
-@dataclass
-class IngestionTimings:
-    """Seconds spent per stage (pass one in to measure; the benchmark prints it)."""
-
-    parse_hash: float = 0.0
-    render: float = 0.0
-    tokenize: float = 0.0
-    label: float = 0.0
-
-
-# --------------------------------------------------------------------------- the row pipeline
-
-
-@dataclass
-class _Pending:
-    row_index: int
-    row_sha256: str
-    rendered: RenderedConversation
-
-
-def _front(row: SourceRow, template: ChatTemplate, t: IngestionTimings):
-    """Parse, hash, check and render one row: a RowOutcome (rejected) or a _Pending (rendered)."""
-    t0 = time.perf_counter()
-    if row.parse_error is not None:
-        t.parse_hash += time.perf_counter() - t0
-        return RowOutcome(row.row_index, raw_row_sha256(row.raw), reason=INVALID_JSON, detail=row.parse_error)
-    try:
-        parsed, canonical, unrenderable = row.parsed if row.parsed is not None else parse_row(row.obj)
-    except RowSchemaError as exc:
-        t.parse_hash += time.perf_counter() - t0
-        return RowOutcome(row.row_index, raw_row_sha256(row.raw), reason=INVALID_JSON, detail=exc.detail)
-    row_sha = domain_digest(PARSED_ROW_DOMAIN, canonical.encode("utf-8"))
-    try:
-        check_roles(parsed)
-        if unrenderable is not None:
-            raise RowRejection(TOKENIZATION_ERROR, unrenderable)
-        conversation = prepare_for_template(parsed, canonical)
-    except RowRejection as exc:
-        t.parse_hash += time.perf_counter() - t0
-        return RowOutcome(row.row_index, row_sha, reason=exc.reason, detail=exc.detail)
-    t1 = time.perf_counter()
-    t.parse_hash += t1 - t0
-    try:
-        rendered = template.render(conversation.messages, conversation.tools)
-    except TemplateRenderError as exc:
-        t.render += time.perf_counter() - t1
-        return RowOutcome(row.row_index, row_sha, reason=TOKENIZATION_ERROR, detail=f"chat template: {exc}")
-    t.render += time.perf_counter() - t1
-    return _Pending(row.row_index, row_sha, rendered)
-
-
-def _encode_all(tokenizer, texts: list[str]) -> list:
-    """Encodings of `texts`, batched; a text the tokenizer refuses gets its error message instead.
-
-    The normaliser keeps text the tokenizer cannot take out of rendering, so the per-row retry is a
-    backstop: one row must never take down the rows batched with it (a tokenizer failure is that
-    row's `tokenization_error`, docs/ingestion.md#validation).
-    """
-    try:
-        return tokenizer.encode_batch(texts, add_special_tokens=False)
-    except Exception:  # noqa: BLE001 - retried row by row below, each failure named
-        pass
-    out: list = []
-    for text in texts:
-        try:
-            (enc,) = tokenizer.encode_batch([text], add_special_tokens=False)
-        except Exception as exc:  # noqa: BLE001 - a tokenizer failure is the row's rejection
-            enc = f"{type(exc).__name__}: {exc}"
-        out.append(enc)
-    return out
-
-
-def _back(pending: list[_Pending], tokenizer, t: IngestionTimings) -> list[RowOutcome]:
-    """Tokenize rendered rows together, label them and apply the token-level row checks."""
-    if not pending:
-        return []
-    t0 = time.perf_counter()
-    encodings = _encode_all(tokenizer, [p.rendered.text for p in pending])
-    t1 = time.perf_counter()
-    t.tokenize += t1 - t0
-    out = []
-    for p, enc in zip(pending, encodings, strict=True):
-        if isinstance(enc, str):
-            problem: str | None = f"tokenizer: {enc}"
-        elif len(enc.ids) < 2:
-            problem = f"the rendered conversation has {len(enc.ids)} token(s); at least 2 are required"
-        else:
-            problem = None
-        if problem is not None:
-            out.append(
-                RowOutcome(
-                    p.row_index, p.row_sha256, rendered=p.rendered, reason=TOKENIZATION_ERROR, detail=problem
-                )
-            )
-            continue
-        ids = enc.ids
-        labels = label_encoding(enc, p.rendered.spans)
-        if labels.supervised_tokens == 0:
-            out.append(
-                RowOutcome(
-                    p.row_index,
-                    p.row_sha256,
-                    rendered=p.rendered,
-                    reason=TOKENIZATION_ERROR,
-                    detail="no supervised assistant token at a position >= 1 (nothing to learn after the causal shift)",
-                )
-            )
-            continue
-        row = TokenizedRow(p.row_index, p.row_sha256, ids, labels.labels, labels.supervised_tokens)
-        out.append(RowOutcome(p.row_index, p.row_sha256, tokenized=row, rendered=p.rendered))
-    t.label += time.perf_counter() - t1
-    return out
-
-
-def _outcomes(
-    rows: Iterable[SourceRow],
-    tokenizer,
-    template: ChatTemplate | None,
-    timings: IngestionTimings,
-) -> Iterator[RowOutcome]:
-    template = template or training_template()
-    chunk: list[RowOutcome | _Pending] = []
-
-    def flush() -> list[RowOutcome]:
-        pending = [c for c in chunk if isinstance(c, _Pending)]
-        done = iter(_back(pending, tokenizer, timings))
-        return [next(done) if isinstance(c, _Pending) else c for c in chunk]
-
-    for row in rows:
-        chunk.append(_front(row, template, timings))
-        if len(chunk) >= CHUNK_ROWS:
-            yield from flush()
-            chunk = []
-    yield from flush()
-
-
-def iter_example_outcomes(
-    examples: list,
-    *,
-    tokenizer,
-    template: ChatTemplate | None = None,
-    timings: IngestionTimings | None = None,
-    field: str = "examples",
-) -> Iterator[RowOutcome]:
-    """Every inline example's outcome in order (no policy applied).
-
-    Raises `training_invalid_request` at once when any example cannot be deserialised, naming it
-    as `<field>[<index>]`.
-    """
-    timings = timings or IngestionTimings()
-    t0 = time.perf_counter()
-    rows = example_rows(list(examples), field)
-    timings.parse_hash += time.perf_counter() - t0
-    return _outcomes(rows, tokenizer, template, timings)
-
-
-def iter_jsonl_outcomes(
-    path: Path, *, tokenizer, template: ChatTemplate | None = None, timings: IngestionTimings | None = None
-) -> Iterator[RowOutcome]:
-    """Every non-blank JSONL row's outcome in order (no policy applied)."""
-    return _outcomes(jsonl_rows(Path(path)), tokenizer, template, timings or IngestionTimings())
-
-
 # --------------------------------------------------------------------------- policy and receipt
 
 
+@dataclass
+class RowTally:
+    """What `select_rows` counts besides kept and rejected rows (the receipt's `row_counts`)."""
+
+    rows_per_format: dict[str, int] = field(default_factory=dict)  # kept rows per format
+    rows_truncated: int = 0
+    tokens_dropped: int = 0
+
+    def add(self, outcome: RowOutcome) -> None:
+        fmt = outcome.format or MESSAGES
+        self.rows_per_format[fmt] = self.rows_per_format.get(fmt, 0) + 1
+        if outcome.dropped_tokens:
+            self.rows_truncated += 1
+            self.tokens_dropped += outcome.dropped_tokens
+
+
+def rejection_message(outcome: RowOutcome, row_label: str = "SFT row") -> str:
+    """`line <l>: SFT row <n> (<sha>) rejected as <reason>: <detail>` (no line for inline rows)."""
+    where = f"line {outcome.line}: " if outcome.line is not None else ""
+    return (
+        f"{where}{row_label} {outcome.row_index} ({outcome.row_sha256}) rejected as {outcome.reason}: "
+        f"{outcome.detail}"
+    )
+
+
 def select_rows(
-    outcomes: Iterable[RowOutcome], policy: str, *, row_label: str = "SFT row", empty: str | None = None
+    outcomes: Iterable[RowOutcome],
+    policy: str,
+    *,
+    row_label: str = "SFT row",
+    empty: str | None = None,
+    tally: RowTally | None = None,
 ) -> tuple[list[TokenizedRow], list[dict], int]:
     """Apply `fail`/`skip` to row outcomes in order: (kept rows, rejected entries, rows read).
 
     `row_label` names a row in messages (`SFT row 3`, `SFT validation row 3`); `empty` is the
-    message's lead when no row is kept (400)."""
+    message's lead when no row is kept (400); `tally`, when given, counts kept rows per format
+    and truncations."""
     if policy not in POLICIES:
         raise invalid_request(f"invalid_row_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     rows: list[TokenizedRow] = []
@@ -346,17 +175,17 @@ def select_rows(
         read += 1
         if outcome.kept:
             rows.append(outcome.tokenized)
+            if tally is not None:
+                tally.add(outcome)
             continue
-        message = (
-            f"{row_label} {outcome.row_index} ({outcome.row_sha256}) rejected as {outcome.reason}: "
-            f"{outcome.detail}"
-        )
+        message = rejection_message(outcome, row_label)
         if policy == "fail":
             raise invalid_request(message)
         log.warning("skipping %s", message)
-        rejected.append(
-            {"row_index": outcome.row_index, "row_sha256": outcome.row_sha256, "reason": outcome.reason}
-        )
+        entry = {"row_index": outcome.row_index, "row_sha256": outcome.row_sha256, "reason": outcome.reason}
+        if outcome.line is not None:
+            entry["line"] = outcome.line
+        rejected.append(entry)
     if not rows:
         raise invalid_request(
             f"{empty or 'SFT corpus contains no trainable rows'}: read {read} row(s), rejected "
@@ -366,19 +195,44 @@ def select_rows(
 
 
 def apply_invalid_row_policy(
-    outcomes: Iterable[RowOutcome], policy: str, source: str, source_locator: str | None
+    outcomes: Iterable[RowOutcome],
+    policy: str,
+    source: str,
+    source_locator: str | None,
+    *,
+    blank_lines: int | None = None,
 ) -> IngestionResult:
     """Apply `fail`/`skip` to row outcomes in order and build the receipt.
 
-    docs/ingestion.md#invalid-row-policy.
+    docs/ingestion.md#invalid-row-policy. `blank_lines` defaults to what an `OutcomeStream`
+    counted (0 for inline rows). The receipt's `row_counts` is left out when it would say only
+    "every row is `messages`, no blank line, nothing truncated", so such a corpus keeps the
+    receipt (and the receipt digest checkpoints bind) it had before row formats existed.
     """
     if policy not in POLICIES:
         raise invalid_request(f"invalid_row_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     if source not in SOURCES:
         raise ValueError(f"unknown SFT source {source!r}")
-    rows, rejected, read = select_rows(outcomes, policy)
+    tally = RowTally()
+    rows, rejected, read = select_rows(outcomes, policy, tally=tally)
+    if blank_lines is None:
+        blank_lines = outcomes.blank_lines if isinstance(outcomes, OutcomeStream) else 0
+    counts = {
+        "blank_lines": blank_lines,
+        "rows_per_format": dict(sorted(tally.rows_per_format.items())),
+        "rows_skipped": len(rejected),
+        "rows_truncated": tally.rows_truncated,
+        "tokens_dropped": tally.tokens_dropped,
+    }
+    plain = set(tally.rows_per_format) == {MESSAGES} and not blank_lines and not tally.rows_truncated
     receipt = build_ingestion_receipt(
-        source, source_locator, policy, read, [r.row_sha256 for r in rows], rejected
+        source,
+        source_locator,
+        policy,
+        read,
+        [r.row_sha256 for r in rows],
+        rejected,
+        row_counts=None if plain else counts,
     )
     return ingestion_result(receipt, rows)
 
@@ -397,11 +251,14 @@ def ingest_examples(
     source: str = "inline",
     source_locator: str | None = None,
     timings: IngestionTimings | None = None,
+    limit: LengthRule | None = None,
 ) -> IngestionResult:
     """Ingest inline examples (request `examples`, or rows another source already holds as objects)."""
     if not isinstance(examples, list):
         raise invalid_request("examples must be an array of example objects")
-    outcomes = iter_example_outcomes(examples, tokenizer=tokenizer, template=template, timings=timings)
+    outcomes = iter_example_outcomes(
+        examples, tokenizer=tokenizer, template=template, timings=timings, limit=limit
+    )
     return apply_invalid_row_policy(outcomes, policy, source, source_locator)
 
 
@@ -414,13 +271,14 @@ def ingest_jsonl(
     source: str = "dataset_path",
     source_locator: str | None = None,
     timings: IngestionTimings | None = None,
+    limit: LengthRule | None = None,
 ) -> IngestionResult:
     """Ingest a JSONL file (already resolved with `resolve_dataset_path` when it came from a request).
 
     `source_locator` is what the receipt names (the request's `dataset_path`); default: the path.
     """
     locator = source_locator if source_locator is not None else str(path)
-    outcomes = iter_jsonl_outcomes(path, tokenizer=tokenizer, template=template, timings=timings)
+    outcomes = iter_jsonl_outcomes(path, tokenizer=tokenizer, template=template, timings=timings, limit=limit)
     try:
         return apply_invalid_row_policy(outcomes, policy, source, locator)
     except OSError as exc:

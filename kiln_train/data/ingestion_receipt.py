@@ -39,6 +39,10 @@ ROW_ACCOUNTING_FIELDS = (
 )
 RECEIPT_FIELDS = ("schema", "source", "source_locator", "invalid_row_policy", *ROW_ACCOUNTING_FIELDS)
 REJECTED_ROW_FIELDS = ("row_index", "row_sha256", "reason")
+REJECTED_ROW_OPTIONAL = ("line",)  # the physical line of a JSONL row (blank lines counted)
+# What reading counted besides kept/rejected rows (absent from receipts written before it existed).
+ROW_COUNTS_KEY = "row_counts"
+ROW_COUNTS_FIELDS = ("blank_lines", "rows_per_format", "rows_skipped", "rows_truncated", "tokens_dropped")
 VALIDATION_KEY = "validation"
 VALIDATION_SOURCES = ("inline", "dataset_path", "holdout")
 VALIDATION_PART_FIELDS = ("source", "source_locator", "holdout_percent", *ROW_ACCOUNTING_FIELDS)
@@ -51,6 +55,8 @@ def build_ingestion_receipt(
     rows_read: int,
     kept_row_hashes: list[str],
     rejected_rows: list[dict],
+    *,
+    row_counts: dict | None = None,
 ) -> dict:
     """The `kiln.sft-ingestion.v1` object, validated before it is returned."""
     receipt: dict = {"schema": INGESTION_SCHEMA, "source": source}
@@ -58,6 +64,8 @@ def build_ingestion_receipt(
         receipt["source_locator"] = source_locator
     receipt["invalid_row_policy"] = policy
     receipt.update(_row_accounting(rows_read, kept_row_hashes, rejected_rows))
+    if row_counts is not None:
+        receipt[ROW_COUNTS_KEY] = dict(row_counts)
     validate_ingestion_receipt(receipt)
     return receipt
 
@@ -109,7 +117,7 @@ def validate_ingestion_receipt(obj) -> None:
     bad = _bad
     if not isinstance(obj, dict):
         raise bad("expected an object")
-    unknown = sorted(set(obj) - set(RECEIPT_FIELDS) - {VALIDATION_KEY})
+    unknown = sorted(set(obj) - set(RECEIPT_FIELDS) - {VALIDATION_KEY, ROW_COUNTS_KEY})
     if unknown:
         raise bad(f"unknown field(s) {', '.join(unknown)}")
     missing = [k for k in RECEIPT_FIELDS if k != "source_locator" and k not in obj]
@@ -129,6 +137,8 @@ def validate_ingestion_receipt(obj) -> None:
     holdout = isinstance(part, dict) and part.get("source") == "holdout"
     held_out = part.get("rows_kept") if holdout else 0
     _check_rows(obj, obj["invalid_row_policy"], RECEIPT_FIELDS, "", held_out=held_out)
+    if ROW_COUNTS_KEY in obj:
+        _check_row_counts(obj[ROW_COUNTS_KEY], obj, held_out if isinstance(held_out, int) else 0)
     if VALIDATION_KEY in obj:
         _check_rows(part, obj["invalid_row_policy"], VALIDATION_PART_FIELDS, "validation.")
         if part["source"] not in VALIDATION_SOURCES:
@@ -149,7 +159,7 @@ def _check_rows(obj, policy: str, fields: tuple[str, ...], where: str, held_out:
     bad = _bad
     if not isinstance(obj, dict):
         raise bad(f"{where or 'receipt '}must be an object")
-    unknown = sorted(set(obj) - set(fields) - ({VALIDATION_KEY} if not where else set()))
+    unknown = sorted(set(obj) - set(fields) - ({VALIDATION_KEY, ROW_COUNTS_KEY} if not where else set()))
     if unknown:
         raise bad(f"unknown field(s) {', '.join(where + k for k in unknown)}")
     optional = ("source_locator", "holdout_percent", "schema", "invalid_row_policy")
@@ -187,8 +197,17 @@ def _check_rows(obj, policy: str, fields: tuple[str, ...], where: str, held_out:
         raise bad("a fail-policy ingestion cannot record rejected rows")
     previous = 0
     for entry in rejected:
-        if not isinstance(entry, dict) or set(entry) != set(REJECTED_ROW_FIELDS):
-            raise bad(f"rejected row entries have exactly the fields {', '.join(REJECTED_ROW_FIELDS)}")
+        if not isinstance(entry, dict) or not set(REJECTED_ROW_FIELDS) <= set(entry) <= {
+            *REJECTED_ROW_FIELDS,
+            *REJECTED_ROW_OPTIONAL,
+        }:
+            raise bad(
+                f"rejected row entries have the fields {', '.join(REJECTED_ROW_FIELDS)} "
+                f"(and {', '.join(REJECTED_ROW_OPTIONAL)} for a file's row)"
+            )
+        line = entry.get("line", 1)
+        if not isinstance(line, int) or isinstance(line, bool) or line < 1:
+            raise bad("rejected row line must be a 1-based integer")
         index = entry["row_index"]
         if not isinstance(index, int) or isinstance(index, bool) or index < 1:
             raise bad("rejected row_index must be a 1-based integer")
@@ -205,3 +224,30 @@ def _check_rows(obj, policy: str, fields: tuple[str, ...], where: str, held_out:
         raise bad(f"{where}kept_corpus_sha256 is not sha256:<64 lowercase hex>")
     if kept_corpus_sha256(kept) != obj["kept_corpus_sha256"]:
         raise bad(f"{where}kept_corpus_sha256 does not recompute from {where}kept_row_hashes")
+
+
+def _check_row_counts(counts, receipt: dict, held_out: int) -> None:
+    """`row_counts`: non-negative integers; kept rows per format sum to the rows kept (a holdout's
+    rows included: they were kept before the split); skipped rows
+    are the rejected ones; dropped tokens only with truncated rows."""
+    bad = _bad
+    if not isinstance(counts, dict) or set(counts) != set(ROW_COUNTS_FIELDS):
+        raise bad(f"row_counts has exactly the fields {', '.join(ROW_COUNTS_FIELDS)}")
+
+    def count(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    for key in ROW_COUNTS_FIELDS:
+        if key != "rows_per_format" and not count(counts[key]):
+            raise bad(f"row_counts.{key} must be a non-negative integer")
+    per_format = counts["rows_per_format"]
+    if not isinstance(per_format, dict) or not all(count(v) for v in per_format.values()):
+        raise bad("row_counts.rows_per_format maps format names to non-negative integers")
+    if sum(per_format.values()) != receipt["rows_kept"] + held_out:
+        raise bad("row_counts.rows_per_format does not add up to the rows kept")
+    if counts["rows_skipped"] != receipt["rows_rejected"]:
+        raise bad("row_counts.rows_skipped differs from rows_rejected")
+    if counts["rows_truncated"] > receipt["rows_kept"] + held_out or (counts["tokens_dropped"] > 0) != (
+        counts["rows_truncated"] > 0
+    ):
+        raise bad("row_counts: tokens_dropped and rows_truncated disagree")

@@ -13,7 +13,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln_train.data.conversation import RowSchemaError, decode_json, parse_example, unrenderable_field
+from kiln_train.data.conversation import (
+    RowRejection,
+    RowSchemaError,
+    decode_json,
+    parse_example,
+    unrenderable_field,
+)
+from kiln_train.data.row_formats import MESSAGES, detect_format, given_row_sha256
 from kiln_train.data.row_identity import serde_canonical_json
 from kiln_train.errors import invalid_request
 
@@ -31,6 +38,7 @@ class SourceRow:
     raw: bytes | None = None
     parse_error: str | None = None
     parsed: tuple[dict, str, str | None] | None = None  # parse_row's result, already checked
+    line: int | None = None  # physical line of a JSONL file (blank lines counted), from 1
 
 
 def resolve_dataset_path(dataset_path: str, datasets_root: Path) -> Path:
@@ -76,23 +84,45 @@ def resolve_dataset_path(dataset_path: str, datasets_root: Path) -> Path:
 def jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
     """(row index, line) of every row of a JSONL file: lines trimmed of ASCII whitespace, blank
     ones skipped, the others numbered from 1."""
+    for index, _line_number, line in numbered_jsonl_lines(path):
+        yield index, line
+
+
+def numbered_jsonl_lines(path: Path, counts: LineCounts | None = None) -> Iterator[tuple[int, int, bytes]]:
+    """(row index, physical line number, trimmed line) of every row; blank lines are counted in
+    the line numbers (and in `counts.blank_lines`) but are not rows."""
+    counts = counts if counts is not None else LineCounts()
+    index = 0
     with open(path, "rb") as f:
-        yield from enumerate(filter(None, (raw_line.strip(ASCII_WHITESPACE) for raw_line in f)), start=1)
+        for line_number, raw_line in enumerate(f, start=1):
+            line = raw_line.strip(ASCII_WHITESPACE)
+            if not line:
+                counts.blank_lines += 1
+                continue
+            index += 1
+            yield index, line_number, line
 
 
-def jsonl_rows(path: Path) -> Iterator[SourceRow]:
+@dataclass
+class LineCounts:
+    """What reading a file saw besides its rows (filled while the rows are read)."""
+
+    blank_lines: int = 0
+
+
+def jsonl_rows(path: Path, counts: LineCounts | None = None) -> Iterator[SourceRow]:
     """A JSONL file's rows: decoded, or with why they are `invalid_json`."""
-    for index, line in jsonl_lines(path):
+    for index, line_number, line in numbered_jsonl_lines(path, counts):
         problem = _undecodable(line)
         if problem is not None:
-            yield SourceRow(index, raw=line, parse_error=problem)
+            yield SourceRow(index, raw=line, parse_error=problem, line=line_number)
             continue
         try:
             obj = decode_json(line.decode("utf-8"))
         except ValueError as exc:
-            yield SourceRow(index, raw=line, parse_error=f"not valid JSON: {exc}")
+            yield SourceRow(index, raw=line, parse_error=f"not valid JSON: {exc}", line=line_number)
             continue
-        yield SourceRow(index, obj=obj, raw=line)
+        yield SourceRow(index, obj=obj, raw=line, line=line_number)
 
 
 def _undecodable(line: bytes) -> str | None:
@@ -125,11 +155,20 @@ def example_rows(examples: list, field: str = "examples") -> list[SourceRow]:
     """Inline examples are one request body: every example must deserialise before any row is
     processed, so a malformed example is reported as the transport error it is
     (docs/ingestion.md#validation). `field` is the request field the examples came from
-    (`validation.examples` for held-out rows)."""
+    (`validation.examples` for held-out rows). A row of another format (row_formats) is only
+    checked to be JSON here; whether it is a valid row of its format is its own row outcome."""
     rows = []
     for i, obj in enumerate(examples):
         try:
-            rows.append(SourceRow(i + 1, parsed=parse_row(obj)))
+            try:
+                fmt = detect_format(obj)
+            except RowRejection:
+                fmt = None
+            if fmt == MESSAGES:
+                rows.append(SourceRow(i + 1, parsed=parse_row(obj)))
+            else:
+                given_row_sha256(obj)
+                rows.append(SourceRow(i + 1, obj=obj))
         except RowSchemaError as exc:
             raise invalid_request(f"{field}[{i}]: {exc.detail}") from None
     return rows

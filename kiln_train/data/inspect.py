@@ -14,23 +14,26 @@ from kiln_train.data.labels import IGNORE_INDEX, label_encoding
 
 
 def row_facts(outcome: RowOutcome) -> dict:
-    """One row's facts: ids and labels of a kept row, the reason and detail of a rejected one."""
+    """One row's facts: where it is (`line` in a file, null inline), its `format` and how it was
+    converted (null when it never got that far), then ids and labels of a kept row (and the
+    tokens `truncation: "right"` cut off), the reason and detail of a rejected one."""
+    facts = {
+        "row_index": outcome.row_index,
+        "line": outcome.line,
+        "row_sha256": outcome.row_sha256,
+        "format": outcome.format,
+        "conversion": outcome.conversion,
+    }
     if outcome.kept:
         row = outcome.tokenized
-        return {
-            "row_index": row.row_index,
-            "row_sha256": row.row_sha256,
+        return facts | {
             "seq_len": row.seq_len,
             "supervised_tokens": row.supervised_tokens,
+            "dropped_tokens": outcome.dropped_tokens,
             "input_ids": row.input_ids,
             "labels": row.labels,
         }
-    return {
-        "row_index": outcome.row_index,
-        "row_sha256": outcome.row_sha256,
-        "rejection": outcome.reason,
-        "detail": outcome.detail,
-    }
+    return facts | {"rejection": outcome.reason, "detail": outcome.detail}
 
 
 def token_pieces(outcome: RowOutcome, tokenizer) -> list[dict] | None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln_train.data.chat_template import ChatTemplate
-from kiln_train.data.ingestion import IngestionResult, ingest_examples, ingest_jsonl
+from kiln_train.data.ingestion import IngestionResult, LengthRule, ingest_examples, ingest_jsonl
 from kiln_train.data.ingestion_sources import resolve_dataset_path
 from kiln_train.errors import invalid_request
 
@@ -35,10 +35,20 @@ class RowSource:
         """`examples` or `dataset_path`."""
         return EXAMPLES if self.examples is not None else DATASET_PATH
 
-    def ingest(self, *, tokenizer, policy: str, template: ChatTemplate | None = None) -> IngestionResult:
-        """The source's rows, ingested with `tokenizer`, `template` and the invalid-row `policy`."""
+    def ingest(
+        self,
+        *,
+        tokenizer,
+        policy: str,
+        template: ChatTemplate | None = None,
+        limit: LengthRule | None = None,
+    ) -> IngestionResult:
+        """The source's rows, ingested with `tokenizer`, `template`, the invalid-row `policy` and
+        the length rule `limit` (`max_length`/`truncation`; None: no limit)."""
         if self.examples is not None:
-            return ingest_examples(list(self.examples), tokenizer=tokenizer, template=template, policy=policy)
+            return ingest_examples(
+                list(self.examples), tokenizer=tokenizer, template=template, policy=policy, limit=limit
+            )
         assert self.path is not None
         return ingest_jsonl(
             self.path,
@@ -47,6 +57,7 @@ class RowSource:
             policy=policy,
             source=DATASET_PATH,
             source_locator=self.locator,
+            limit=limit,
         )
 
 

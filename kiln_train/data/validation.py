@@ -26,6 +26,7 @@ from pathlib import Path
 from kiln_train.data.chat_template import ChatTemplate
 from kiln_train.data.ingestion import (
     IngestionResult,
+    LengthRule,
     TokenizedRow,
     TokenStats,
     ingestion_result,
@@ -167,12 +168,17 @@ def ingest_validation_rows(
     template: ChatTemplate | None = None,
     policy: str = "fail",
     datasets_root: Path | None = None,
+    limit: LengthRule | None = None,
 ) -> tuple[list[TokenizedRow], dict]:
     """Ingest `validation.examples` or `validation.dataset_path` (not a holdout): the kept rows
     and the receipt part. Errors name the validation field or row."""
     if spec.examples is not None:
         outcomes = iter_example_outcomes(
-            list(spec.examples), tokenizer=tokenizer, template=template, field="validation.examples"
+            list(spec.examples),
+            tokenizer=tokenizer,
+            template=template,
+            field="validation.examples",
+            limit=limit,
         )
         rows, rejected, read = select_rows(
             outcomes, policy, row_label=VALIDATION_ROW_LABEL, empty=VALIDATION_EMPTY
@@ -186,7 +192,7 @@ def ingest_validation_rows(
         path = resolve_dataset_path(spec.dataset_path, datasets_root)
     except KilnError as exc:
         raise invalid_request(f"validation.{exc.detail}") from None
-    outcomes = iter_jsonl_outcomes(path, tokenizer=tokenizer, template=template)
+    outcomes = iter_jsonl_outcomes(path, tokenizer=tokenizer, template=template, limit=limit)
     try:
         rows, rejected, read = select_rows(
             outcomes, policy, row_label=VALIDATION_ROW_LABEL, empty=VALIDATION_EMPTY
@@ -210,9 +216,11 @@ def prepare_validation(
     policy: str = "fail",
     seed: int | None = None,
     datasets_root: Path | None = None,
+    limit: LengthRule | None = None,
 ) -> tuple[IngestionResult, ValidationSet | None]:
     """The run's training ingestion and validation set for a request's `validation` (None: the
-    ingestion unchanged, no validation). A holdout needs the run's effective `seed`."""
+    ingestion unchanged, no validation). A holdout needs the run's effective `seed`; rows of their
+    own are held to the same length rule (`limit`) as the training rows."""
     if spec is None:
         return ingestion, None
     if spec.holdout_percent is not None:
@@ -220,7 +228,7 @@ def prepare_validation(
             raise ValueError("a holdout split needs the run's effective seed")
         return split_holdout(ingestion, spec.holdout_percent, seed, spec.interval_steps)
     rows, part = ingest_validation_rows(
-        spec, tokenizer=tokenizer, template=template, policy=policy, datasets_root=datasets_root
+        spec, tokenizer=tokenizer, template=template, policy=policy, datasets_root=datasets_root, limit=limit
     )
     receipt = with_validation_part(ingestion.receipt, part)
     return ingestion_result(receipt, ingestion.rows), ValidationSet(rows, part, spec.interval_steps)

@@ -22,7 +22,7 @@ from kiln_train.artifacts.adapter import (
     check_base_adapter_files,
 )
 from kiln_train.data.chat_template import training_template
-from kiln_train.data.ingestion import IngestionResult
+from kiln_train.data.ingestion import IngestionResult, LengthRule
 from kiln_train.data.row_source import RowSource
 from kiln_train.errors import TrainingFailure, invalid_request
 from kiln_train.ground.digest import file_digest
@@ -104,7 +104,9 @@ def export_sft(
     template = training_template()
     policy = config.invalid_row_policy
     source = RowSource(examples=examples, path=dataset, locator=dataset_locator)
-    ingestion = source.ingest(tokenizer=tokenizer, template=template, policy=policy)
+    ingestion = source.ingest(
+        tokenizer=tokenizer, template=template, policy=policy, limit=LengthRule.of_config(config)
+    )
     sources = dict(enumerate(examples, start=1)) if examples is not None else jsonl_objects(dataset)
     if initial_tensors is None:
         initial = InitialAdapter(

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from kiln_train.data.ingestion import IngestionResult
+from kiln_train.data.ingestion import IngestionResult, LengthRule
 from kiln_train.data.row_source import row_source
 from kiln_train.data.validation import ValidationSet, prepare_validation
 from kiln_train.errors import ADAPTER_ALREADY_EXISTS, KilnError, backend_unsupported, invalid_request
@@ -103,6 +103,7 @@ def finetune(
             run_id=run_id,
             validation=plan.validation,
             on_evaluation=on_evaluation,
+            requested_config=parsed.model_dump(mode="json", exclude_unset=True),
         )
     )
 
@@ -138,6 +139,7 @@ def _validate(
         policy=config.invalid_row_policy,
         seed=config.seed,
         datasets_root=root,
+        limit=LengthRule.of_config(config),
     )
 
 
@@ -195,7 +197,7 @@ def _plan(
         config,
         target,
         adapters_dir=registry,
-        ingest=lambda effective: _ingest(resident, data, effective.invalid_row_policy),
+        ingest=lambda effective: _ingest(resident, data, effective),
         available_bytes=lambda: _available_bytes(resident, memory),
         default_output_name=f"sft-{run_id[:8]}",
         server=False,
@@ -209,7 +211,7 @@ def _plan(
     return plan, run_id
 
 
-def _ingest(resident: ResidentModel, data: Data, policy: str) -> IngestionResult:
+def _ingest(resident: ResidentModel, data: Data, config: SftConfig) -> IngestionResult:
     if isinstance(data, str | Path):
         source = row_source(dataset_path=data)
     elif isinstance(data, list | tuple):
@@ -220,7 +222,12 @@ def _ingest(resident: ResidentModel, data: Data, policy: str) -> IngestionResult
         raise invalid_request(
             f"data must be a list of example objects or the path of a JSONL file, got {type(data).__name__}"
         )
-    return source.ingest(tokenizer=resident.tokenizer, template=resident.template, policy=policy)
+    return source.ingest(
+        tokenizer=resident.tokenizer,
+        template=resident.template,
+        policy=config.invalid_row_policy,
+        limit=LengthRule.of_config(config),
+    )
 
 
 def _available_bytes(resident: ResidentModel, memory: dict) -> int:

@@ -58,3 +58,6 @@ class TrainRequest:
     update, at every epoch's end and every `interval_steps` steps. Never changes what is trained."""
     on_evaluation: Callable[[Evaluation], None] | None = None
     """Called with each validation evaluation (before that step's checkpoint is published)."""
+    requested_config: dict | None = None
+    """The request's `config` as sent (the fields the caller set), recorded in the receipt as
+    `requested_config` beside the effective `config`; None: not known, not recorded."""

@@ -78,6 +78,7 @@ def _train(request: TrainRequest) -> TrainResult:
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(torch.device(device))
     facts = run_facts(resident, config, request.ingestion, request.loss_route, name)
+    facts.requested_config = request.requested_config
     facts.cpu_threads = torch.get_num_threads()
     run = SftRun(
         resident,

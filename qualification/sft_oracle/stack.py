@@ -70,8 +70,14 @@ def run_oracle(hf_tokenizer, template: str, row: dict, prepared=None) -> dict:
 
 
 def run_kiln(tokenizer, row: dict) -> dict:
-    """Kiln's ingestion of one row: text, ids, mask and labels, or the rejection."""
+    """Kiln's ingestion of one row: text, ids, mask and labels, or the rejection.
+
+    A row Kiln rejects only by the row rule `empty_response` (an assistant turn with nothing in
+    it, which the oracle renders) is compared on its rendering: Kiln's template and mask on the
+    row, with `row_rule` naming the rule that keeps it out of training."""
     (outcome,) = list(iter_example_outcomes([row], tokenizer=tokenizer))
+    if not outcome.kept and outcome.reason == "empty_response":
+        return {**_render_without_row_rules(tokenizer, row), "row_rule": outcome.reason}
     if not outcome.kept:
         return {"rejection": outcome.reason, "detail": outcome.detail}
     tr = outcome.tokenized
@@ -80,6 +86,22 @@ def run_kiln(tokenizer, row: dict) -> dict:
         "input_ids": tr.input_ids,
         "assistant_masks": [int(label != IGNORE_INDEX) for label in tr.labels],
         "labels": tr.labels,
+    }
+
+
+def _render_without_row_rules(tokenizer, row: dict) -> dict:
+    from kiln_train.data.chat_template import training_template
+    from kiln_train.data.labels import label_encoding
+
+    messages, tools = kiln_template_input(row)
+    rendered = training_template().render(messages, tools)
+    (encoding,) = tokenizer.encode_batch([rendered.text], add_special_tokens=False)
+    labels = label_encoding(encoding, rendered.spans).labels
+    return {
+        "text": rendered.text,
+        "input_ids": encoding.ids,
+        "assistant_masks": [int(label != IGNORE_INDEX) for label in labels],
+        "labels": labels,
     }
 
 

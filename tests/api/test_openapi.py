@@ -85,6 +85,7 @@ def test_every_request_integer_has_an_upper_bound(client):
                 found[f"{model}.{name}"] = schema["maximum"]
     assert found == {
         "SftConfig.epochs": 100_000,
+        "SftConfig.max_length": 2**31 - 1,
         "SftConfig.lora_rank": 1 << 20,
         "SftConfig.checkpoint_interval": 2**64 - 1,
         "SftConfig.grad_checkpoint_segments": 1024,

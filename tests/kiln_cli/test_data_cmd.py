@@ -79,9 +79,21 @@ def test_inspect_json_matches_ingestion(runner, model_dir, data_file, qwen_token
     assert rows[0]["labels"] == expected.rows[0].labels
     assert rows[3]["row_sha256"] == expected.rows[1].row_sha256
     assert receipt["rejected_rows"] == [
-        {"row_index": 2, "row_sha256": rows[1]["row_sha256"], "reason": "invalid_role"},
-        {"row_index": 3, "row_sha256": rows[2]["row_sha256"], "reason": "invalid_json"},
+        {
+            "row_index": 2,
+            "row_sha256": rows[1]["row_sha256"],
+            "reason": "invalid_role",
+            "line": rows[1]["line"],
+        },
+        {
+            "row_index": 3,
+            "row_sha256": rows[2]["row_sha256"],
+            "reason": "invalid_json",
+            "line": rows[2]["line"],
+        },
     ]
+    assert [r["line"] for r in rows] == sorted({r["line"] for r in rows})  # physical lines, ascending
+    assert rows[0]["format"] == "messages" and rows[0]["conversion"] == "messages as given"
 
 
 def test_inspect_json_fail_policy_ends_with_error_envelope(runner, model_dir, data_file):
@@ -210,14 +222,15 @@ def test_fail_policy_names_the_first_bad_row(model_dir, edge_file):
     assert result.exit_code == 1
     assert result.output.count("── row ") == 9  # every row is still shown
     assert (
-        f"── Invalid training request: SFT row 1 ({raw_row_sha256(BOM_ROW)}) rejected as invalid_json: not valid JSON: "
+        f"── Invalid training request: line 1: SFT row 1 ({raw_row_sha256(BOM_ROW)}) rejected as invalid_json: "
+        "not valid JSON: "
         "the line starts with a UTF-8 byte-order mark" in result.output
     )
     as_json = inspect(model_dir, edge_file, "--json")
     assert as_json.exit_code == 1
     envelope = json.loads(as_json.output.splitlines()[-1])
     assert envelope["error"]["code"] == "training_invalid_request"
-    assert envelope["error"]["message"].startswith("Invalid training request: SFT row 1 (sha256:")
+    assert envelope["error"]["message"].startswith("Invalid training request: line 1: SFT row 1 (sha256:")
 
 
 def test_row_text_is_shown_as_data_not_terminal_input(model_dir, edge_file):

@@ -72,6 +72,7 @@ def test_train_sft_maps_every_flag_to_its_config_field(kiln, server, tmp_path):
         "--optimizer", "adam_w", "--learning-rate", "0.0002", "--seed", "12345",
         "--checkpoint-interval", "1", "--invalid-row-policy", "skip", "--grad-checkpoint-segments", "1",
         "--detect-anomaly", "--adapter-smoke-test", "--adapter-smoke-prompts-file", str(prompts),
+        "--max-length", "4096", "--truncation", "right",
         "--output-name", adapter, "--idempotency-key", f"key-{adapter}", "--no-wait", "--json",
     )  # fmt: skip
     assert code == 0, err
@@ -90,6 +91,8 @@ def test_train_sft_maps_every_flag_to_its_config_field(kiln, server, tmp_path):
         "checkpoint_interval": 1,
         "output_name": adapter,
         "invalid_row_policy": "skip",
+        "max_length": 4096,
+        "truncation": "right",
         "grad_checkpoint_segments": 1,
         "detect_anomaly": True,
         "adapter_smoke_test": True,
@@ -102,6 +105,7 @@ def test_train_sft_maps_every_flag_to_its_config_field(kiln, server, tmp_path):
     }  # fmt: skip
     assert effective["adapter_smoke_prompts"] == ["First canary?", "Second canary?"]
     assert effective["detect_anomaly"] is True and effective["checkpoint_interval"] == 1
+    assert (effective["max_length"], effective["truncation"]) == (4096, "right")
 
     # The same key and body again: the server replays the first admission.
     code, out, err = kiln(
@@ -109,6 +113,7 @@ def test_train_sft_maps_every_flag_to_its_config_field(kiln, server, tmp_path):
         "--optimizer", "adam_w", "--learning-rate", "0.0002", "--seed", "12345",
         "--checkpoint-interval", "1", "--invalid-row-policy", "skip", "--grad-checkpoint-segments", "1",
         "--detect-anomaly", "--adapter-smoke-test", "--adapter-smoke-prompts-file", str(prompts),
+        "--max-length", "4096", "--truncation", "right",
         "--output-name", adapter, "--idempotency-key", f"key-{adapter}", "--no-wait",
     )  # fmt: skip
     assert code == 0, err

@@ -68,7 +68,7 @@ def test_upgrade_downgrade_upgrade(url):
     try:
         assert current_revision(engine) is None
         upgrade_database(url)
-        assert current_revision(engine) == head_revision() == "0004"
+        assert current_revision(engine) == head_revision() == "0005"
         assert _objects(engine) == (TABLES, VIEWS)
 
         downgrade_database(url, "0003")
@@ -160,7 +160,7 @@ def test_alembic_by_hand_reads_kiln_database_url(url, tmp_path):
     )
     assert done.returncode == 0, done.stderr
     shown = subprocess.run([*command, "current"], cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert "0004 (head)" in shown.stdout
+    assert "0005 (head)" in shown.stdout
     engine = make_engine(url)
     try:
         assert _objects(engine) == (TABLES, VIEWS)

@@ -43,6 +43,7 @@ def test_finetune_publishes_what_a_service_job_publishes(client, runtime, settin
         assert (result.adapter_path / file).read_bytes() == (service / name / file).read_bytes(), file
     ours, theirs = read_json(result.receipt_path), read_json(service / name / "train_receipt.json")
     assert [p for p in json_diff(ours, theirs) if p not in VOLATILE_RECEIPT] == []
+    assert theirs["requested_config"] == body["config"]  # the request as sent, through admission
 
     checkpoints = sorted(p.name for p in service.glob(f"{name}-checkpoint-step-*"))
     assert checkpoints == sorted(p.name for p in tmp_path.glob("*.kiln-checkpoint"))

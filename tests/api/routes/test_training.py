@@ -65,6 +65,8 @@ def test_admission_writes_job_admission_event_and_publishes(client, sessions, br
     assert admission.effective_config["seed"] == seed
     assert admission.effective_config["grad_checkpoint_segments"] == 1
     assert admission.effective_config["output_name"] == "math-v1"
+    assert admission.requested_config == body["config"]  # as sent: only what the client set
+    assert "seed" not in admission.requested_config and admission.effective_config["truncation"] == "error"
     assert admission.data_source == "examples" and admission.examples == body["examples"]
     assert admission.ingestion_receipt["rows_kept"] == 3
     assert admission.kept_corpus_sha256 == admission.ingestion_receipt["kept_corpus_sha256"]

@@ -37,9 +37,9 @@ TOP_LEVEL = [
     "failure_message", "kiln", "model", "tokenizer", "adapters", "training_data",
     "hyperparameters", "grpo", "echo", "no_policy_loss", "data", "rewards", "token_counts",
     "phase_timings", "runtime", "config_hashes", "lora_delta_norms", "lora_grad_norms",
-    "adapter_smoke_test", "config",
+    "adapter_smoke_test", "requested_config", "config",
 ]  # fmt: skip
-OPTIONAL_TOP = {"failure_message", "adapter_smoke_test"}
+OPTIONAL_TOP = {"failure_message", "adapter_smoke_test", "requested_config"}
 # field -> (required keys in order, optional keys); `|null` keys are required, `?` keys optional
 SUB = {
     "kiln": (["git_commit", "git_dirty", "git_source", "package_version"], ["env_config_hash"]),

@@ -115,6 +115,11 @@ def test_resume_checkpoint_and_base_adapter_are_not_compared(loaded):
             {"invalid_row_policy": "skip"},
             'effective_config.invalid_row_policy: checkpoint "fail", request "skip"',
         ),
+        ({"max_length": 512}, "effective_config.max_length: checkpoint null, request 512"),
+        (
+            {"max_length": 512, "truncation": "right"},
+            "effective_config.max_length: checkpoint null, request 512",
+        ),
     ],
 )
 def test_effective_config_drift_names_the_field(loaded, overrides, message):

@@ -26,6 +26,7 @@ from kiln_train.data.chat_template import (
 from kiln_train.data.ingestion import iter_example_outcomes
 from kiln_train.data.labels import IGNORE_INDEX, MASK_CONTRACT
 from kiln_train.errors import TRAINING_BACKEND_UNSUPPORTED, KilnError
+from tests.kiln_train.data.reference_fixtures import holds_empty_answer, render_without_row_rules
 
 FIXTURE = Path(__file__).resolve().parents[3] / "qualification" / "fixtures" / "qwen35_sft_oracle_v1.json"
 
@@ -94,6 +95,12 @@ def test_random_differential_cases_match_oracle(qwen_tokenizer, oracle):
         outcome = outcome_of(qwen_tokenizer, case["example"])
         if "error" in case:
             assert outcome.reason == "tokenization_error"
+            continue
+        if holds_empty_answer(case["example"]):  # the row rule rejects it; the rendering still agrees
+            assert outcome.reason == "empty_response", case["name"]
+            text, ids, labels = render_without_row_rules(case["example"], tokenizer=qwen_tokenizer)
+            assert (text, ids) == (case["text"], case["input_ids"]), case["name"]
+            assert [[a, b] for a, b in _ranges(labels)] == case["supervised_ranges"], case["name"]
             continue
         assert outcome.rendered.text == case["text"], case["name"]
         assert outcome.tokenized.input_ids == case["input_ids"], case["name"]

@@ -187,8 +187,9 @@ def test_jsonl_blank_lines_crlf_and_fail_policy_message(qwen_tokenizer, tmp_path
             json.loads('{"messages": [{"role": "user", "content": "x"}, {"role": "bot", "content": "y"}]}')
         )
     )
-    assert f"SFT row 2 ({bad_sha}) rejected as invalid_role: messages[1].role is 'bot'" in reject_message(
-        err.value
+    # Line 6: two blank lines, the first row (line 3), two more blank lines, then the bad row.
+    assert f"line 6: SFT row 2 ({bad_sha}) rejected as invalid_role: messages[1].role is 'bot'" in (
+        reject_message(err.value)
     )
 
     result = ingest_jsonl(path, tokenizer=qwen_tokenizer, policy="skip", source_locator="data.jsonl")
@@ -201,8 +202,15 @@ def test_jsonl_blank_lines_crlf_and_fail_policy_message(qwen_tokenizer, tmp_path
         "rows_kept": 2,
         "rows_rejected": 1,
         "kept_row_hashes": [PLAIN_SHA, TOOL_SHA],
-        "rejected_rows": [{"row_index": 2, "row_sha256": bad_sha, "reason": "invalid_role"}],
+        "rejected_rows": [{"row_index": 2, "row_sha256": bad_sha, "reason": "invalid_role", "line": 6}],
         "kept_corpus_sha256": CORPUS_SHA,
+        "row_counts": {
+            "blank_lines": 4,
+            "rows_per_format": {"messages": 2},
+            "rows_skipped": 1,
+            "rows_truncated": 0,
+            "tokens_dropped": 0,
+        },
     }
     assert [r.row_index for r in result.rows] == [1, 3]
 

@@ -252,13 +252,15 @@ def test_edge_row_reason_and_row_number_under_both_policies(
     with pytest.raises(KilnError) as err:
         ingest_jsonl(path, tokenizer=qwen_tokenizer)
     assert err.value.code == TRAINING_INVALID_REQUEST
-    assert f"SFT row 2 ({bad.row_sha256}) rejected as {reason}: " in err.value.message
+    assert f"line 3: SFT row 2 ({bad.row_sha256}) rejected as {reason}: " in err.value.message
     assert detail in err.value.message
 
     result = ingest_jsonl(path, tokenizer=qwen_tokenizer, policy="skip")
     receipt = result.receipt
     assert (receipt["rows_read"], receipt["rows_kept"], receipt["rows_rejected"]) == (3, 2, 1)
-    assert receipt["rejected_rows"] == [{"row_index": 2, "row_sha256": bad.row_sha256, "reason": reason}]
+    assert receipt["rejected_rows"] == [
+        {"row_index": 2, "row_sha256": bad.row_sha256, "reason": reason, "line": 3}
+    ]
     assert [r.row_index for r in result.rows] == [1, 3]
 
 

@@ -84,12 +84,22 @@ def test_decoded_arguments_fail_only_their_row_with_the_field_named(
 
     skipped = ingest_jsonl(path, tokenizer=qwen_tokenizer, policy="skip").receipt
     assert skipped["rejected_rows"] == [
-        {"row_index": 2, "row_sha256": parsed_row_sha256(parse_example(bad)), "reason": "tokenization_error"}
+        {
+            "row_index": 2,
+            "row_sha256": parsed_row_sha256(parse_example(bad)),
+            "reason": "tokenization_error",
+            "line": 2,
+        }
     ]
     assert skipped["kept_row_hashes"] == [parsed_row_sha256(GOOD)] * 2
 
     inline = ingest_examples([GOOD, bad], tokenizer=qwen_tokenizer, policy="skip").receipt
-    assert inline["rejected_rows"] == skipped["rejected_rows"][:1]
+    assert (
+        inline["rejected_rows"]
+        == [  # an inline row has no line
+            {k: v for k, v in r.items() if k != "line"} for r in skipped["rejected_rows"][:1]
+        ]
+    )
 
 
 def test_kiln_data_inspect_json_reports_the_row_instead_of_a_traceback(tmp_path):

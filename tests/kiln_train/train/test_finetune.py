@@ -116,6 +116,10 @@ def test_a_jsonl_file_is_ingested_like_a_dataset_path_with_defaults_resolved(tmp
     assert [(r["row_index"], r["reason"]) for r in ingestion["rejected_rows"]] == [(2, "invalid_json")]
     assert receipt["hyperparameters"]["learning_rate"] == 1e-4  # AdamW's default
     assert result.total_steps == 2
+    # asked vs ran: the request as sent beside the effective config
+    assert receipt["requested_config"] == {**config, "invalid_row_policy": "skip"}
+    assert receipt["config"]["learning_rate"] == 1e-4 and "learning_rate" not in receipt["requested_config"]
+    assert list(receipt)[-2:] == ["requested_config", "config"]
 
 
 def refusal(tmp_path: Path, model, data, config, code: str, *needles: str, **kw) -> None:
