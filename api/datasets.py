@@ -48,6 +48,7 @@ from kiln_train.data.ingestion import (
 from kiln_train.data.ingestion_receipt import POLICIES
 from kiln_train.data.inspect import row_facts, token_pieces
 from kiln_train.errors import KilnError, invalid_request
+from kiln_train.ground import json_bounded
 from kiln_train.ground.digest import file_digest
 
 log = logging.getLogger(__name__)
@@ -189,7 +190,7 @@ def _rfc3339(timestamp: float) -> str:
 def _read_sidecar(datasets_dir: Path, name: str, size: int) -> dict | None:
     """The recorded facts of an uploaded file, or None when absent, unreadable or stale."""
     try:
-        record = json.loads(sidecar_path(datasets_dir, name).read_text(encoding="utf-8"))
+        record = json_bounded.loads(sidecar_path(datasets_dir, name).read_bytes())
     except (OSError, ValueError):
         return None
     if not isinstance(record, dict) or record.get("bytes") != size or record.get("name") != name:

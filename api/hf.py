@@ -15,7 +15,6 @@ Every refusal happens before anything is written, so a refused request leaves no
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ from kiln.store import get_adapter, live_runner, register_adapter
 from kiln_train.artifacts.adapter import check_adapter_name
 from kiln_train.data.ingestion import resolve_dataset_path
 from kiln_train.errors import ADAPTER_ALREADY_EXISTS, KilnError, invalid_request
+from kiln_train.ground import json_bounded
 from kiln_train.interop import bundle as bundle_mod
 from kiln_train.interop import peft_import
 from kiln_train.interop.bundle import EXPORT_NAME_PATTERN, ResidentFacts
@@ -291,7 +291,7 @@ def create_export(svc: Services, body: object) -> HfExportInfo:
 
 def _read_manifest(path: Path) -> dict | None:
     try:
-        value = json.loads((path / bundle_mod.MANIFEST).read_text(encoding="utf-8"))
+        value = json_bounded.loads((path / bundle_mod.MANIFEST).read_bytes())
     except (OSError, UnicodeDecodeError, ValueError):
         return None
     return value if isinstance(value, dict) else None
