@@ -39,6 +39,7 @@ from kiln_train.interop import peft_import
 from kiln_train.interop.bundle import EXPORT_NAME_PATTERN, ResidentFacts
 from kiln_train.interop.errors import HF_EXPORT_NOT_FOUND, InteropError
 from kiln_train.interop.export import export_sft
+from kiln_train.plan.gates import check_static_gates
 from kiln_train.sft_config import (
     MAX_LORA_RANK,
     AdamWConfig,
@@ -256,6 +257,7 @@ def create_export(svc: Services, body: object) -> HfExportInfo:
     config = request.sft_config()
     bundle_mod.refuse_unsupported_optimizer(config.optimizer.kind)
     target, resident = resident_facts(svc)
+    check_static_gates(target, config)  # a job's rank gates: the model's ceiling, the optimizer tuple
     settings = svc.settings
     root = exports_dir(svc)
     sweep_abandoned(root)

@@ -140,6 +140,12 @@ CASES = {
         "base_model.base_weights_sha256",
     ),
     "dora": (lambda out, s: _edit_config(out, use_dora=True), 400, "peft_import_invalid", "use_dora"),
+    "rank_above_the_model": (
+        lambda out, s: _edit_config(out, r=8192),
+        400,
+        "peft_import_invalid",
+        "r = 8192 is above",
+    ),
 }
 
 
