@@ -67,6 +67,7 @@ class RunFacts:
     adapter_smoke_test: dict | None = None
     phase_timings: dict = field(default_factory=dict)
     validation: dict | None = None  # kiln.sft-validation.v1 (docs/validation.md); None without validation
+    attempts: dict | None = None  # the service's deliveries of this job (docs/recovery.md)
 
 
 def build_receipt(
@@ -111,6 +112,10 @@ def build_receipt(
     # receipt it always did): the corpus, every evaluation and the best one
     if facts.validation is not None:
         receipt["validation"] = facts.validation
+    # additive, present only for a service run: this attempt's number and the progress record of
+    # each earlier attempt a worker lost (docs/recovery.md#attempts-that-make-progress)
+    if facts.attempts is not None:
+        receipt["attempts"] = facts.attempts
     receipt["config"] = facts.config
     return receipt
 

@@ -58,3 +58,6 @@ class TrainRequest:
     update, at every epoch's end and every `interval_steps` steps. Never changes what is trained."""
     on_evaluation: Callable[[Evaluation], None] | None = None
     """Called with each validation evaluation (before that step's checkpoint is published)."""
+    attempts: dict | None = None
+    """The service's delivery record of this run: `{"attempt": n, "earlier": [...]}`, the progress
+    record of each earlier attempt a worker lost; written to the receipt as `attempts`."""

@@ -79,6 +79,7 @@ def _train(request: TrainRequest) -> TrainResult:
         torch.cuda.reset_peak_memory_stats(torch.device(device))
     facts = run_facts(resident, config, request.ingestion, request.loss_route, name)
     facts.cpu_threads = torch.get_num_threads()
+    facts.attempts = request.attempts
     run = SftRun(
         resident,
         config,
