@@ -1,12 +1,17 @@
 """Who may ask: bearer tokens, and the Host names a token-less server answers.
 
-With `server.api_tokens` set, every route but the probes (`/health`, `/v1/health`, `/metrics`)
+With `server.api_tokens` set, every route but the probes (`/health`, `/v1/health`)
 and the browser UI's static files (`/`, `/ui/...`: no data in them) needs
 `Authorization: Bearer <token>`; tokens are compared in constant time. A probe answered
 without a valid token shows liveness only (`caller_authenticated()`). Without tokens the api is
 open, `kiln serve` refuses a non-loopback bind unless explicitly allowed, and only the Host names
 of `server.allowed_hosts` are answered: a web page whose own name resolves to 127.0.0.1 (DNS
-rebinding) sends its own name as Host and is refused.
+rebinding) sends its own name as Host and is refused. `/metrics` names jobs, adapters and their
+validation losses, so it needs a token like any data route (a Prometheus scrape sends one).
+
+Every valid token is an equal administrator: it sees and acts on every job, dataset, export and
+adapter, whoever created them; only an Idempotency-Key is scoped to the token that sent it
+(docs/security.md#tokens).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from api.ui import is_ui_path
 from kiln.settings import host_name
 
 # The probes every caller may ask without a token (the OpenAPI document marks the rest secured).
-PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/metrics"})
+PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 # The caller's scope on `flask.g`: "" on a token-less server, a digest of the bearer token otherwise.
 _SCOPE = "kiln_caller_scope"
 

@@ -35,6 +35,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError
+from api.request_bounds import LineMeter, PageBudget, shows_pieces, slim
 from api.runner_gate import check_training_template, runner_target
 from api.schemas import ErrorBody
 from api.services import Services
@@ -48,6 +49,7 @@ from kiln_train.data.ingestion import (
 from kiln_train.data.ingestion_receipt import POLICIES
 from kiln_train.data.inspect import row_facts, token_pieces
 from kiln_train.errors import KilnError, invalid_request
+from kiln_train.ground import json_bounded
 from kiln_train.ground.digest import file_digest
 
 log = logging.getLogger(__name__)
@@ -189,7 +191,7 @@ def _rfc3339(timestamp: float) -> str:
 def _read_sidecar(datasets_dir: Path, name: str, size: int) -> dict | None:
     """The recorded facts of an uploaded file, or None when absent, unreadable or stale."""
     try:
-        record = json.loads(sidecar_path(datasets_dir, name).read_text(encoding="utf-8"))
+        record = json_bounded.loads(sidecar_path(datasets_dir, name).read_bytes())
     except (OSError, ValueError):
         return None
     if not isinstance(record, dict) or record.get("bytes") != size or record.get("name") != name:
@@ -258,16 +260,20 @@ class Inspection:
     tokens: int
     supervised_tokens: int
     max_seq_len: int
+    shown: tuple[int, ...] = ()  # the rows an answer shows, held in full (the rest are slim)
 
 
-def inspect_file(path: Path, tokenizer, policy: str, locator: str) -> Inspection:
-    """Every row's outcome and the policy's verdict, as `kiln data inspect` computes them."""
+def inspect_file(
+    path: Path, tokenizer, policy: str, locator: str, page: PageBudget | None = None
+) -> Inspection:
+    """Every row's outcome and the policy's verdict, as `kiln data inspect` computes them. Only
+    the rows `page` takes keep their ids and rendering (docs/security.md#what-a-request-may-cost)."""
     if policy not in POLICIES:
         raise invalid_request(f"invalid_row_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     _quiet_ingestion()
     try:
         stream = iter_jsonl_outcomes(path, tokenizer=tokenizer)
-        outcomes = list(stream)
+        outcomes = [o if page is not None and page.take(i, o) else slim(o) for i, o in enumerate(stream)]
     except OSError as exc:
         raise invalid_request(f"cannot read dataset {locator!r}: {exc.strerror or exc}") from None
     try:
@@ -284,6 +290,7 @@ def inspect_file(path: Path, tokenizer, policy: str, locator: str) -> Inspection
             sum(r.seq_len for r in kept),
             sum(r.supervised_tokens for r in kept),
             max((r.seq_len for r in kept), default=0),
+            tuple(page.shown) if page is not None else (),
         )
     return Inspection(
         outcomes,
@@ -293,20 +300,21 @@ def inspect_file(path: Path, tokenizer, policy: str, locator: str) -> Inspection
         result.total_tokens,
         result.total_supervised_tokens,
         result.max_seq_len,
+        tuple(page.shown) if page is not None else (),
     )
 
 
 def inspect_response(
     inspection: Inspection, tokenizer, tokenizer_label: str, offset: int, limit: int
 ) -> InspectResponse:
-    page = inspection.outcomes[offset : offset + limit]
+    page = [inspection.outcomes[i] for i in inspection.shown]
     error = inspection.error
     return InspectResponse(
         rows=[
             InspectedRow(
                 facts=row_facts(o),
                 text=o.rendered.text if o.rendered is not None else None,
-                pieces=token_pieces(o, tokenizer),
+                pieces=token_pieces(o, tokenizer) if shows_pieces(o) else None,
             )
             for o in page
         ],
@@ -350,7 +358,9 @@ def dataset_stats(inspection: Inspection, tokenizer_label: str) -> DatasetStats:
 @contextlib.contextmanager
 def spooled_body(stream, directory: Path) -> Iterator[tuple[Path, str, int]]:
     """The request body written to a hidden file in `directory`: (path, sha256, bytes). The file
-    is removed on the way out, whatever happens (a stored upload is a hard link to it)."""
+    is removed on the way out, whatever happens (a stored upload is a hard link to it). A line
+    longer than MAX_LINE_BYTES is a 400 as soon as it is seen (docs/security.md)."""
+    meter = LineMeter()
     directory.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix=UPLOAD_PREFIX, suffix=".tmp", dir=directory)
     path = Path(name)
@@ -359,6 +369,7 @@ def spooled_body(stream, directory: Path) -> Iterator[tuple[Path, str, int]]:
         size = 0
         with os.fdopen(fd, "wb") as out:
             while chunk := stream.read(CHUNK):
+                meter.feed(chunk)
                 h.update(chunk)
                 size += len(chunk)
                 out.write(chunk)

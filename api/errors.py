@@ -17,6 +17,7 @@ from flask import Flask, Response, jsonify
 from sqlalchemy import exc as sa_exc
 from werkzeug.exceptions import HTTPException
 
+from api.path_redaction import redact_for_app
 from kiln.store.errors import (
     ADAPTER_NOT_FOUND,
     TRAINING_JOB_ALREADY_STARTED,
@@ -181,7 +182,8 @@ def _hint(error: KilnError) -> str:
 def error_response(error: KilnError) -> Response:
     """The envelope with the code's status (and Retry-After when the code is retryable)."""
     status = http_status(error)
-    response = jsonify({"error": {"code": error.code, "message": error.message, "hint": _hint(error)}})
+    message = redact_for_app(error.message)  # no server path in an answer (docs/security.md)
+    response = jsonify({"error": {"code": error.code, "message": message, "hint": _hint(error)}})
     response.status_code = status
     retry_after = _retry_after(error)
     if retry_after is not None:

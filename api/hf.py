@@ -15,7 +15,6 @@ Every refusal happens before anything is written, so a refused request leaves no
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
@@ -34,11 +33,13 @@ from kiln.store import get_adapter, live_runner, register_adapter
 from kiln_train.artifacts.adapter import check_adapter_name
 from kiln_train.data.ingestion import resolve_dataset_path
 from kiln_train.errors import ADAPTER_ALREADY_EXISTS, KilnError, invalid_request
+from kiln_train.ground import json_bounded
 from kiln_train.interop import bundle as bundle_mod
 from kiln_train.interop import peft_import
 from kiln_train.interop.bundle import EXPORT_NAME_PATTERN, ResidentFacts
 from kiln_train.interop.errors import HF_EXPORT_NOT_FOUND, InteropError
 from kiln_train.interop.export import export_sft
+from kiln_train.plan.gates import check_static_gates
 from kiln_train.sft_config import (
     MAX_LORA_RANK,
     AdamWConfig,
@@ -256,6 +257,7 @@ def create_export(svc: Services, body: object) -> HfExportInfo:
     config = request.sft_config()
     bundle_mod.refuse_unsupported_optimizer(config.optimizer.kind)
     target, resident = resident_facts(svc)
+    check_static_gates(target, config)  # a job's rank gates: the model's ceiling, the optimizer tuple
     settings = svc.settings
     root = exports_dir(svc)
     sweep_abandoned(root)
@@ -291,7 +293,7 @@ def create_export(svc: Services, body: object) -> HfExportInfo:
 
 def _read_manifest(path: Path) -> dict | None:
     try:
-        value = json.loads((path / bundle_mod.MANIFEST).read_text(encoding="utf-8"))
+        value = json_bounded.loads((path / bundle_mod.MANIFEST).read_bytes())
     except (OSError, UnicodeDecodeError, ValueError):
         return None
     return value if isinstance(value, dict) else None

@@ -7,7 +7,6 @@ original's human string ("12s ago").
 from __future__ import annotations
 
 import errno
-import json
 import os
 import stat
 from datetime import datetime
@@ -18,6 +17,7 @@ from api import schemas
 from kiln.store import Adapter, Admission, Job, JobEvent, Runner, TrainingStep, ValidationEvaluation, states
 from kiln_train.artifacts.adapter import ADAPTER_MANIFEST, TRAIN_RECEIPT
 from kiln_train.checkpoint import CheckpointError, read_checkpoint_manifest
+from kiln_train.ground import json_bounded
 from kiln_train.plan import formulas as memory_formulas
 
 LOSS_HISTORY_MAX = 1024
@@ -289,7 +289,7 @@ def read_json_file(path: Path) -> tuple[dict | None, str | None]:
         data = read_registry_file(path)
         if data is None:
             return None, None
-        value = json.loads(data.decode("utf-8"))
+        value = json_bounded.loads(data)
     except OSError as exc:
         return None, f"{path.name}: {exc.strerror or exc}"
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:

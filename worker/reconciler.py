@@ -34,6 +34,7 @@ from kiln_train.artifacts.adapter import ADAPTER_MODEL, TRAIN_RECEIPT
 from kiln_train.artifacts.fencing import RunIdentity, rehome
 from kiln_train.errors import KilnError
 from kiln_train.ground.digest import file_digest
+from worker.attempt_progress import settle_attempt
 
 log = logging.getLogger(__name__)
 
@@ -151,9 +152,19 @@ class Reconciler:
         rt = self.runtime
         published = self._published_adapter(lost)
         plan = None if published is not None else self._recovery_plan(lost)
-        retry = (
-            not lost.cancel_requested and lost.attempts - lost.releases < rt.settings.training.max_attempts
+        settled = settle_attempt(
+            attempt=lost.attempts,
+            releases=lost.releases,
+            start_step=lost.start_step,
+            reached_step=lost.reached_step,
+            checkpoint_step=_step_of(plan.resume) if plan is not None and plan.resume else None,
+            pinned_start=lost.pinned_start,
+            history=list(lost.history),
+            max_attempts=rt.settings.training.max_attempts,
+            released=lost.released,
         )
+        retry = not lost.cancel_requested and settled.retry
+        progress = {"progress": settled.record, "note": settled.note}
         # Its owner is presumed dead (lease expired, runner silent): the publications it was
         # staging will never be finished. Swept before the job can have a new owner.
         sweep_job_staging(rt.settings.adapters_dir, lost.identity.adapter_name)
@@ -172,7 +183,7 @@ class Reconciler:
                 if adopted is not None:
                     _record_adopted(s, lost.job_id, adopted)
                 if retry and plan.resume is not None:
-                    store.requeue_for_resume(s, lost.job_id, plan.resume)
+                    store.requeue_for_resume(s, lost.job_id, plan.resume, **progress)
                     outcome = "resumed"
                 elif retry:
                     store.requeue_for_restart(
@@ -181,10 +192,12 @@ class Reconciler:
                         resume_checkpoint=lost.pinned_resume,
                         start_step=lost.pinned_start,
                         reason=f"worker lost before a usable checkpoint (attempt {lost.attempts})",
+                        **progress,
                     )
                     outcome = "restarted"
                 else:
-                    store.fail_worker_lost(s, lost.job_id)
+                    note = settled.give_up if not lost.cancel_requested else ""
+                    store.fail_worker_lost(s, lost.job_id, progress=settled.record, note=note)
                     outcome = "failed"
             log.warning("job %s: worker lost; %s (%s)", lost.job_id, outcome, plan.resume or "no checkpoint")
         except store.InvalidTransition:
@@ -315,11 +328,16 @@ class LostJob:
     identity: RunIdentity
     pinned_resume: str | None = None  # the checkpoint the submission itself resumed, if any
     pinned_start: int = 0  # its step (where every attempt starts unless it resumes further on)
+    start_step: int = 0  # where the lost attempt started
+    reached_step: int = 0  # the furthest step it recorded
+    history: tuple[dict, ...] = ()  # the progress records of the attempts lost before it
+    released: bool = False  # its worker gave it back at a checkpoint (a graceful release)
 
 
 def _lost_job(s, job) -> LostJob:
     admission = store.get_admission(s, job.id)
     pin = (admission.checkpoint_plan or {}).get("resume_from") if admission is not None else None
+    pinned_start = int(pin.get("global_step") or 0) if pin else 0
     return LostJob(
         job_id=job.id,
         attempts=job.attempts,
@@ -332,7 +350,11 @@ def _lost_job(s, job) -> LostJob:
             total_steps=job.total_steps,
         ),
         pinned_resume=pin.get("checkpoint") if pin else None,
-        pinned_start=int(pin.get("global_step") or 0) if pin else 0,
+        pinned_start=pinned_start,
+        start_step=store.claim_start(s, job.id) or pinned_start,
+        reached_step=int(job.global_step or 0),
+        history=tuple(store.attempt_history(s, job.id)),
+        released=store.released_since_claim(s, job.id),
     )
 
 

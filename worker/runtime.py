@@ -288,17 +288,20 @@ class WorkerRuntime:
                     return None
                 job = current
             store.heartbeat_runner(s, self.worker_id, state=states.RUNNER_BUSY, current_job_id=job_id)
-            return pin_job(s, job), job.attempts - store.count_graceful_releases(s, job_id)
+            ended = job.attempts - 1  # the deliveries before this claim
+            history = store.attempt_history(s, job_id)
+            stalled = store.stalled_deliveries(ended, store.count_graceful_releases(s, job_id), history)
+            return pin_job(s, job), stalled
 
         claimed = self.transact(claim)
         if claimed is None:
             return None
-        pinned, attempts = claimed  # deliveries, not counting graceful releases
-        if attempts > self.settings.training.max_attempts:
+        pinned, stalled = claimed  # ended deliveries that made no progress (docs/recovery.md)
+        if stalled >= self.settings.training.max_attempts:
             self.recording.finish_failed(
                 pinned.job_id,
                 states.REASON_WORKER_LOST,
-                f"gave up after {attempts - 1} deliveries that did not finish (max_attempts "
+                f"gave up after {stalled} deliveries that ended without progress (max_attempts "
                 f"{self.settings.training.max_attempts})",
             )
             return None
@@ -406,6 +409,10 @@ class WorkerRuntime:
                 validation=work.validation,
                 on_evaluation=lambda evaluation: self.recording.on_evaluation(pinned.job_id, evaluation),
                 requested_config=pinned.requested_config,
+                attempts={
+                    "attempt": pinned.attempt,
+                    "earlier": self.transact(lambda s, _: store.attempt_history(s, pinned.job_id)),
+                },
             )
         )
 

@@ -29,6 +29,7 @@ from api.datasets import (
 )
 from api.errors import UNSUPPORTED_MEDIA_TYPE, ApiError
 from api.http import json_response, query_int, services
+from api.request_bounds import PageBudget
 from kiln_train.data.ingestion_receipt import POLICIES
 from kiln_train.errors import invalid_request
 
@@ -112,7 +113,7 @@ def inspect_stored(dataset: str) -> Response:
     policy = _policy("skip")
     offset, limit = _page()
     tokenizer, label = inspection_tokenizer(svc)
-    inspection = inspect_file(path, tokenizer, policy, dataset)
+    inspection = inspect_file(path, tokenizer, policy, dataset, PageBudget(offset, limit))
     return json_response(inspect_response(inspection, tokenizer, label, offset, limit))
 
 
@@ -128,6 +129,6 @@ def inspect_body() -> Response:
         tempfile.TemporaryDirectory(prefix="kiln-inspect-") as scratch,
         spooled_body(request.stream, Path(scratch)) as (path, _sha256, _size),
     ):
-        inspection = inspect_file(path, tokenizer, policy, "request body")
+        inspection = inspect_file(path, tokenizer, policy, "request body", PageBudget(offset, limit))
         answer = inspect_response(inspection, tokenizer, label, offset, limit)
     return json_response(answer)

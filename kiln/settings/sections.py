@@ -232,7 +232,7 @@ class TrainingSettings(BaseModel):
         3,
         le=MAX_INT,
         ge=1,
-        description="Claims of one job (resumes and restarts) before it fails worker_lost.",
+        description="Ended deliveries of one job that made no progress before it fails worker_lost.",
     )
 
     @model_validator(mode="after")

@@ -25,6 +25,13 @@ from kiln.store.artifacts import (
     record_checkpoint,
     register_adapter,
 )
+from kiln.store.attempts import (
+    attempt_history,
+    claim_start,
+    furthest_step,
+    released_since_claim,
+    stalled_deliveries,
+)
 from kiln.store.engine import (
     create_all_for_tests,
     current_revision,
@@ -117,6 +124,11 @@ __all__ = [
     "UtcDateTime",
     "ValidationEvaluation",
     "append_event",
+    "attempt_history",
+    "claim_start",
+    "furthest_step",
+    "released_since_claim",
+    "stalled_deliveries",
     "checkpoint_owner",
     "claim_job",
     "complete_lost_job",

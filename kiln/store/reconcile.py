@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 from kiln.store import states
 from kiln.store.admission import next_queue_seq
 from kiln.store.artifacts import get_checkpoint, register_adapter
+from kiln.store.attempts import PROGRESS_KEY
 from kiln.store.errors import InvalidTransition
 from kiln.store.events import append_event
 from kiln.store.jobs import get_job, reread_job
@@ -143,21 +144,33 @@ def _requeue_expired(session: Session, job_id: str, wanted: str, now: datetime, 
     )
 
 
-def _announce_requeue(session: Session, job_id: str, message: str, data: dict) -> Job:
-    """The `requeued` event of a job put back in the queue (its attempts so far added)."""
+def _announce_requeue(
+    session: Session, job_id: str, message: str, data: dict, progress: dict | None = None, note: str = ""
+) -> Job:
+    """The `requeued` event of a job put back in the queue (its attempts so far added, and the
+    lost attempt's progress record, `kiln.store.attempts`)."""
     job = reread_job(session, job_id)
+    extra = {PROGRESS_KEY: progress} if progress is not None else {}
     append_event(
         session,
         job_id,
         states.EVENT_REQUEUED,
-        message,
+        message + (f"; {note}" if note else ""),
         level=states.LEVEL_WARNING,
-        data={**data, "attempts": job.attempts},
+        data={**data, "attempts": job.attempts, **extra},
     )
     return job
 
 
-def requeue_for_resume(session: Session, job_id: str, checkpoint: str, now: datetime | None = None) -> Job:
+def requeue_for_resume(
+    session: Session,
+    job_id: str,
+    checkpoint: str,
+    now: datetime | None = None,
+    *,
+    progress: dict | None = None,
+    note: str = "",
+) -> Job:
     """Put a job whose lease expired back in the queue, to resume from `checkpoint` (a basename
     from the job's `checkpoints` rows). Steps, validation evaluations and checkpoints recorded
     after that checkpoint are dropped (the resumed run records them again); the job gets a new
@@ -193,6 +206,8 @@ def requeue_for_resume(session: Session, job_id: str, checkpoint: str, now: date
         job_id,
         f"worker lost; resuming from {checkpoint} at step {row.global_step}",
         {"checkpoint": checkpoint, "global_step": row.global_step},
+        progress,
+        note,
     )
 
 
@@ -204,6 +219,8 @@ def requeue_for_restart(
     start_step: int,
     reason: str,
     now: datetime | None = None,
+    progress: dict | None = None,
+    note: str = "",
 ) -> Job:
     """Put a job whose lease expired back in the queue to run again from where it first started:
     step 0, or the checkpoint its submission resumed (`resume_checkpoint`, at `start_step`). Its
@@ -231,6 +248,8 @@ def requeue_for_restart(
         f"{reason}; restarting from step {start_step}"
         + (f" ({resume_checkpoint})" if resume_checkpoint else " with the pinned seed and plan"),
         {"restart": True, "checkpoint": resume_checkpoint, "global_step": start_step},
+        progress,
+        note,
     )
 
 
@@ -244,13 +263,22 @@ def steps_recorded_through(session: Session, job_id: str, global_step: int) -> b
     return int(count or 0) == global_step
 
 
-def fail_worker_lost(session: Session, job_id: str, now: datetime | None = None) -> Job:
+def fail_worker_lost(
+    session: Session,
+    job_id: str,
+    now: datetime | None = None,
+    *,
+    progress: dict | None = None,
+    note: str = "",
+) -> Job:
     """Fail a job whose lease expired: `failure_reason = worker_lost`, or `cancelled` when a
-    cancel had been requested (the run was going to end cancelled anyway)."""
+    cancel had been requested (the run was going to end cancelled anyway). `note` says why it is
+    not retried; `progress` is the lost attempt's record (`kiln.store.attempts`)."""
     now = now or store_now(session)
     job = _lost_job(session, job_id, "fail an expired lease")
     reason = states.REASON_CANCELLED if job.cancel_requested else states.REASON_WORKER_LOST
     message = f"worker {job.worker_id} stopped renewing its lease (expired {job.lease_expires_at})"
+    message += f"; {note}" if note else ""
     _expired_lease_update(
         session,
         job_id,
@@ -268,7 +296,11 @@ def fail_worker_lost(session: Session, job_id: str, now: datetime | None = None)
         states.EVENT_WORKER_LOST,
         message,
         level=states.LEVEL_ERROR,
-        data={"failure_reason": reason, "worker_id": job.worker_id},
+        data={
+            "failure_reason": reason,
+            "worker_id": job.worker_id,
+            **({PROGRESS_KEY: progress} if progress is not None else {}),
+        },
     )
     return reread_job(session, job_id)
 

@@ -68,6 +68,7 @@ class RunFacts:
     phase_timings: dict = field(default_factory=dict)
     validation: dict | None = None  # kiln.sft-validation.v1 (docs/validation.md); None without validation
     requested_config: dict | None = None  # the request's `config` as sent; None when not known
+    attempts: dict | None = None  # the service's deliveries of this job (docs/recovery.md)
 
 
 def build_receipt(
@@ -115,6 +116,10 @@ def build_receipt(
     # additive: the request as sent beside the effective config ("asked vs ran"), when known
     if facts.requested_config is not None:
         receipt["requested_config"] = facts.requested_config
+    # additive, present only for a service run: this attempt's number and the progress record of
+    # each earlier attempt a worker lost (docs/recovery.md#attempts-that-make-progress)
+    if facts.attempts is not None:
+        receipt["attempts"] = facts.attempts
     receipt["config"] = facts.config
     return receipt
 

@@ -29,11 +29,11 @@ INTEROP_HINTS: dict[str, str] = {
     HF_EXPORT_NOT_FOUND: "List export bundles with GET /v1/train/hf/exports.",
     HF_EXPORT_ALREADY_EXISTS: "Export names are never overwritten; pick a new name.",
     HF_EXPORT_UNSUPPORTED: (
-        "Export with config.optimizer.kind sgd or adam_w; docs/interop.md lists what the TRL runner reproduces.",
+        "Export with config.optimizer.kind sgd or adam_w; docs/interop.md lists what the TRL runner reproduces."
     ),
     PEFT_IMPORT_INVALID: (
         "Upload a gzip tar of a PEFT LoRA adapter directory (adapter_config.json, "
-        "adapter_model.safetensors) trained on the resident model; docs/interop.md lists the checks.",
+        "adapter_model.safetensors) trained on the resident model; docs/interop.md lists the checks."
     ),
     PEFT_IMPORT_MISMATCH: (
         "The adapter's run does not match this server's export or resident model; nothing was registered."

@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable
 
 from kiln_train.artifacts.adapter import ADAPTER_CONFIG
+from kiln_train.ground import json_bounded
 from kiln_train.interop.errors import import_invalid
 from kiln_train.model.config import LORA_TARGET_MODULES
 
@@ -77,7 +78,7 @@ def _falsy(value) -> bool:
 def check_peft_config(data: bytes) -> tuple[int, float, list[str], dict]:
     """(rank, alpha, targets, the config) of an adapter_config.json Kiln can represent."""
     try:
-        cfg = json.loads(data.decode("utf-8"))
+        cfg = json_bounded.loads(data)
     except (UnicodeDecodeError, ValueError) as exc:
         raise import_invalid(f"{ADAPTER_CONFIG} is not JSON: {exc}") from None
     if not isinstance(cfg, dict):

@@ -6,7 +6,8 @@ An upload is a gzip tar of an adapter directory: `adapter_config.json` and
 `plan_import` checks, in this order, and names the first difference:
 
 1. the archive: a gzip tar of regular files, at most one directory deep, each name once;
-2. `adapter_config.json`: peft_type LORA, an integer rank, a finite positive alpha, target_modules
+2. `adapter_config.json`: peft_type LORA, an integer rank no larger than the model's ceiling (the
+   one a job's rank meets, docs/optimizers.md#rank-ranges), a finite positive alpha, target_modules
    a list drawn from the ten Qwen3.5 targets, and no option Kiln cannot represent (DoRA, rsLoRA,
    biases, per-module ranks or alphas, modules_to_save, layer subsets, fan-in-fan-out, an
    initialisation that rewrote the base weights, ...);
@@ -136,6 +137,12 @@ def plan_import(
             raise import_invalid(f"the upload has no {name}; it must hold a PEFT adapter directory")
     checks = ["archive"]
     rank, alpha, targets, cfg = check_peft_config(upload.files[ADAPTER_CONFIG])
+    ceiling = resident.model.model_maximum_rank()
+    if rank > ceiling:  # before any tensor is shaped or filled at that rank
+        raise import_invalid(
+            f"{ADAPTER_CONFIG}: r = {rank} is above {ceiling}, the largest LoRA rank of the resident model "
+            "(no job could train or warm-start from it)"
+        )
     checks.append("adapter_config")
     tensors, prefix = check_tensors(upload.files[ADAPTER_MODEL], resident, rank, targets)
     checks += ["tensor_names_and_shapes", "dtypes", "finite_values"]

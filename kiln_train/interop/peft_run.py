@@ -9,10 +9,10 @@ template identities of the resident runner.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 
 from kiln_train.artifacts.adapter import ADAPTER_CONFIG, ADAPTER_MODEL
+from kiln_train.ground import json_bounded
 from kiln_train.ground.digest import sha256_prefixed
 from kiln_train.interop.bundle import EXPORT_SCHEMA, MANIFEST, RUNNER_FILE, ResidentFacts, manifest_digest
 from kiln_train.interop.errors import import_invalid, import_mismatch
@@ -24,7 +24,7 @@ RUN_ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_MODEL)
 
 def _json_file(upload: Upload, name: str) -> dict:
     try:
-        value = json.loads(upload.files[name].decode("utf-8"))
+        value = json_bounded.loads(upload.files[name])
     except (UnicodeDecodeError, ValueError) as exc:
         raise import_invalid(f"{name} is not JSON: {exc}") from None
     if not isinstance(value, dict):

@@ -19,6 +19,8 @@ import json
 import math
 from dataclasses import dataclass
 
+from kiln_train.ground import json_bounded
+
 HEADER_LIMIT = 100 * 1024 * 1024  # the reference implementation's own ceiling
 METADATA_KEY = "__metadata__"
 
@@ -86,7 +88,7 @@ def parse(data: bytes) -> SafetensorsFile:
     if length < 2 or length > HEADER_LIMIT or 8 + length > len(data):
         raise SafetensorsError(f"header length {length} does not fit a {len(data)}-byte file")
     try:
-        header = json.loads(data[8 : 8 + length].decode("utf-8"), object_pairs_hook=_unique_object)
+        header = json_bounded.loads(data[8 : 8 + length], object_pairs_hook=_unique_object)
     except SafetensorsError:
         raise
     except (UnicodeDecodeError, ValueError) as exc:

@@ -55,6 +55,10 @@ def resolve_checkpoint_path(name: str, adapters_dir: Path) -> Path:
             raise invalid_request(
                 f"config.resume_checkpoint {name!r} is not directly beneath the adapter registry {root}"
             )
+        if candidate.name in ("", ".", ".."):  # `<registry>/..` is the storage root, no checkpoint
+            raise invalid_request(
+                "config.resume_checkpoint must name a checkpoint directory in the adapter registry"
+            )
         return candidate
     if len(candidate.parts) != 1 or name in (".", ".."):
         raise invalid_request(f"config.resume_checkpoint {name!r} must be a checkpoint directory's basename")

@@ -61,3 +61,6 @@ class TrainRequest:
     requested_config: dict | None = None
     """The request's `config` as sent (the fields the caller set), recorded in the receipt as
     `requested_config` beside the effective `config`; None: not known, not recorded."""
+    attempts: dict | None = None
+    """The service's delivery record of this run: `{"attempt": n, "earlier": [...]}`, the progress
+    record of each earlier attempt a worker lost; written to the receipt as `attempts`."""

@@ -80,6 +80,7 @@ def _train(request: TrainRequest) -> TrainResult:
     facts = run_facts(resident, config, request.ingestion, request.loss_route, name)
     facts.requested_config = request.requested_config
     facts.cpu_threads = torch.get_num_threads()
+    facts.attempts = request.attempts
     run = SftRun(
         resident,
         config,

@@ -50,7 +50,7 @@ def test_a_valid_token_is_accepted(secured):
         assert response.status_code == 200 and response.get_json() == []
 
 
-@pytest.mark.parametrize("path", ["/health", "/v1/health", "/metrics"])
+@pytest.mark.parametrize("path", ["/health", "/v1/health"])
 def test_probes_are_public(secured, path):
     assert secured.get(path).status_code == 200
 

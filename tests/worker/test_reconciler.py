@@ -140,7 +140,8 @@ def test_graceful_releases_do_not_use_up_the_delivery_budget(client, runtime, se
 def test_crash_deliveries_still_exhaust_the_budget_after_graceful_releases(
     client, runtime, sessions, settings
 ):
-    """Only graceful releases are forgiven: a job whose worker keeps dying still fails."""
+    """Only graceful releases are forgiven: a job whose worker keeps dying at the same step still
+    fails. (The first crash got one step further than anyone before, so it counts as progress.)"""
     name = unique_name("poison")
     job_id = submit(client, sft_body(4, epochs=1, seed=3, checkpoint_interval=1, output_name=name))
     original = runtime.recording.on_step
@@ -159,15 +160,17 @@ def test_crash_deliveries_still_exhaust_the_budget_after_graceful_releases(
 
     runtime.recording.on_step = die
     outcomes = []
-    for _ in range(settings.training.max_attempts):
+    for _ in range(settings.training.max_attempts + 1):
         with pytest.raises(Killed):
             runtime.run_job(job_id)
         runtime.run = None
         expire_lease(sessions, job_id)
         outcomes.append(runtime.reconciler.run_once())
     job = job_row(sessions, job_id)
-    assert [o["resumed"] for o in outcomes] == [1, 1, 0] and outcomes[-1]["failed"] == 1
+    assert [o["resumed"] for o in outcomes] == [1, 1, 1, 0] and outcomes[-1]["failed"] == 1
     assert job.state == states.FAILED and job.failure_reason == "worker_lost"
+    assert "lost 3 attempts without progress (training.max_attempts 3)" in job.error_message
+    assert "stopped at step 2, no further than step 2 reached before" in job.error_message
 
 
 def test_a_reconciler_killed_before_withdrawing_does_not_doom_the_resume(client, runtime, sessions, settings):

@@ -167,12 +167,14 @@ def test_worker_shutdown_releases_the_job_and_the_resume_is_bit_exact(
 
 def test_an_expired_lease_without_checkpoint_restarts_from_step_zero(client, runtime, sessions, settings):
     """No checkpoint to resume: the job runs again from step 0 with its pinned seed (the same
-    bits) while attempts remain; only then does it fail `worker_lost`."""
+    bits) while attempts remain; only then does it fail `worker_lost`. The first attempt reached
+    step 1, further than any before it (progress); the next ones died there again (none)."""
     body = sft_body(2, seed=31)
     reference = submit(client, {**body, "config": {**body["config"], "output_name": unique_name("ref")}})
     assert runtime.run_job(reference) == "completed"
     job_id = submit(client, body)
-    for attempt in range(1, settings.training.max_attempts + 1):
+    last = settings.training.max_attempts + 1
+    for attempt in range(1, last + 1):
         with sessions.begin() as s:
             assert store.claim_job(s, job_id, "dead-worker", lease_seconds=30).attempts == attempt
             store.record_step(
@@ -194,7 +196,7 @@ def test_an_expired_lease_without_checkpoint_restarts_from_step_zero(client, run
             )
         done = runtime.reconciler.run_once()
         job = job_row(sessions, job_id)
-        if attempt < settings.training.max_attempts:
+        if attempt < last:
             assert done["resumed"] == 1 and job.state == states.QUEUED and job.global_step == 0
             assert steps(sessions, job_id) == []  # the lost attempt's rows are dropped
             with sessions() as s:
@@ -202,6 +204,8 @@ def test_an_expired_lease_without_checkpoint_restarts_from_step_zero(client, run
             requeued = [e for e in events if e.kind == "requeued"][-1]
             assert requeued.data["restart"] is True and requeued.data["attempts"] == attempt
             assert "restarting from step 0" in requeued.message
+            assert requeued.data["progress"]["advanced"] is (attempt == 1)
+            assert requeued.data["progress"]["stalled_attempts"] == attempt - 1
         else:
             assert done["failed"] == 1
             assert job.state == states.FAILED and job.failure_reason == "worker_lost"

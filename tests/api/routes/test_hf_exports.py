@@ -145,6 +145,12 @@ def test_an_input_adapter_is_the_starting_point(client, runner, sessions, settin
             "unsafe LoRA scaling",
         ),
         (export_body(config={**HF_CONFIG, "seed": "-1"}), 400, "training_invalid_request", "config.seed"),
+        (  # the schema allows 1,048,576; the model and the optimizer tuple allow far less, as for a job
+            export_body(config={**HF_CONFIG, "lora_rank": 8192, "lora_alpha": 16.0}),
+            400,
+            "training_invalid_request",
+            "lora_rank 8192 is outside 1..=",
+        ),
         (
             export_body(config={**HF_CONFIG, "learning_rate": 0.0}),
             400,

@@ -140,6 +140,12 @@ CASES = {
         "base_model.base_weights_sha256",
     ),
     "dora": (lambda out, s: _edit_config(out, use_dora=True), 400, "peft_import_invalid", "use_dora"),
+    "rank_above_the_model": (
+        lambda out, s: _edit_config(out, r=8192),
+        400,
+        "peft_import_invalid",
+        "r = 8192 is above",
+    ),
 }
 
 
@@ -156,6 +162,40 @@ def test_bad_adapters_are_refused_and_leave_nothing(
     assert error["code"] == code and fragment in error["message"], error
     assert snapshot(engine, broker, storage) == before
     assert client.get("/v1/adapters").get_json() == {"adapters": []}
+
+
+DEEP = b"[" * 100_000 + b"]" * 100_000  # 200 KB; a recursive parser gives up long before the end
+
+
+def _deep_safetensors(out: Path) -> None:
+    (out / "adapter_model.safetensors").write_bytes(len(DEEP).to_bytes(8, "little") + DEEP)
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["adapter_config.json", "adapter_model.safetensors", "kiln_hf_result.json", "kiln_hf_export.json"],
+)
+def test_deeply_nested_json_in_any_uploaded_file_is_a_400(
+    target, client, run_output, settings, engine, broker, storage
+):
+    names = [*RUN_FILES, "kiln_hf_export.json"]
+    bundle = settings.storage_root / "hf-exports" / "bundle.kiln-hf"
+    (run_output / "kiln_hf_export.json").write_bytes((bundle / "kiln_hf_export.json").read_bytes())
+    if target == "adapter_model.safetensors":
+        _deep_safetensors(run_output)
+    else:
+        (run_output / target).write_bytes(DEEP)
+    if target != "kiln_hf_result.json":
+        rewrite_result(run_output)  # the run vouches for the hostile file: only its nesting is wrong
+    before = snapshot(engine, broker, storage)
+    answer = _import(client, "deep", tar_gz(run_output, names))
+    assert answer.status_code == 400, answer.get_json()
+    error = answer.get_json()["error"]
+    assert error["code"] == "peft_import_invalid" and "nested deeper than 64 levels" in error["message"], (
+        error
+    )
+    assert target in error["message"] or "header" in error["message"], error
+    assert snapshot(engine, broker, storage) == before
 
 
 def test_names_in_use_are_409_and_bad_names_400(

@@ -1,0 +1,66 @@
+"""What one upload or inspection may cost (docs/security.md#what-a-request-may-cost): a line past
+MAX_LINE_BYTES is a 400 naming the line before anything is parsed, and leaves nothing behind;
+an inspector answer ends its page before its token pieces pass the budget."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from api import request_bounds
+from api.request_bounds import MAX_LINE_BYTES, LineMeter
+from kiln_train.errors import KilnError
+from tests.api.conftest import example, snapshot
+
+NDJSON = {"Content-Type": "application/x-ndjson"}
+
+
+def long_row(size: int) -> bytes:
+    row = json.dumps(example(0)).encode()
+    return row[:-2] + b', "pad": "' + b"x" * (size - len(row) - 10) + b'"}'
+
+
+def test_a_line_meter_finds_the_line_across_chunk_boundaries():
+    meter = LineMeter(limit=10)
+    meter.feed(b"short\n0123")
+    meter.feed(b"456789\nok")  # line 2 is exactly 10 bytes, split over two chunks
+    with pytest.raises(KilnError, match="line 3 of the body is longer than 10 bytes"):
+        meter.feed(b"-and-more\n")
+    meter = LineMeter(limit=10)
+    with pytest.raises(KilnError, match="line 4 of the body"):
+        meter.feed(b"a\nb\nc\n" + b"y" * 11)
+
+
+@pytest.mark.parametrize("route", ["/v1/datasets?name=long.jsonl", "/v1/data/inspect"])
+def test_a_line_past_the_bound_is_a_400_and_leaves_nothing(route, client, runner, engine, broker, storage):
+    rows = json.dumps(example(0)).encode() + b"\n" + long_row(MAX_LINE_BYTES + 1) + b"\n"
+    assert len(rows.split(b"\n")[1]) == MAX_LINE_BYTES + 1
+    before = snapshot(engine, broker, storage)
+    answer = client.post(route, data=rows, headers=NDJSON)
+    assert answer.status_code == 400, answer.get_json()
+    error = answer.get_json()["error"]
+    assert error["code"] == "training_invalid_request"
+    assert f"line 2 of the body is longer than {MAX_LINE_BYTES} bytes" in error["message"]
+    assert "docs/security.md" in error["hint"]
+    assert snapshot(engine, broker, storage) == before
+
+
+def test_an_inspector_page_ends_before_its_pieces_pass_the_budget(client, runner, monkeypatch):
+    rows = [json.dumps(example(i)) for i in range(5)]
+    body = ("\n".join(rows) + "\n").encode()
+    full = client.post("/v1/data/inspect", data=body, headers=NDJSON).get_json()
+    costs = [r["facts"]["seq_len"] for r in full["rows"]]
+    assert len(full["rows"]) == 5 and not full["has_more"]
+    monkeypatch.setattr(request_bounds, "INSPECT_PIECES_MAX", costs[0] + costs[1])
+    first = client.post("/v1/data/inspect", data=body, headers=NDJSON).get_json()
+    assert [r["facts"]["row_index"] for r in first["rows"]] == [1, 2] and first["has_more"]
+    assert first["rows_read"] == 5 and first["tokens"] == full["tokens"]
+    assert [r["pieces"] for r in first["rows"]] == [r["pieces"] for r in full["rows"][:2]]
+    after = client.post("/v1/data/inspect?offset=2", data=body, headers=NDJSON).get_json()
+    assert after["offset"] == 2 and after["rows"][0]["facts"]["row_index"] == 3
+    # a row whose pieces alone pass the budget is shown without them, alone on its page
+    monkeypatch.setattr(request_bounds, "INSPECT_PIECES_MAX", min(costs) - 1)
+    alone = client.post("/v1/data/inspect", data=body, headers=NDJSON).get_json()
+    assert len(alone["rows"]) == 1 and alone["rows"][0]["pieces"] is None and alone["has_more"]
+    assert alone["rows"][0]["facts"] == full["rows"][0]["facts"]
