@@ -5,8 +5,10 @@ from __future__ import annotations
 from flask import Blueprint, Response, jsonify, send_from_directory
 
 from api.ui import CONTENT_SECURITY_POLICY, STATIC_DIR
+from kiln.demo import DEMO_RUN
 from kiln_train.sft_config import (
     BUILTIN_SMOKE_PROMPTS,
+    MAX_LORA_ALPHA_OVER_RANK,
     OPTIMIZER_KINDS,
     SFT_DEFAULT_LEARNING_RATE,
     AdamWConfig,
@@ -48,6 +50,9 @@ def defaults() -> Response:
             "optimizers": optimizers,
             "learning_rate": SFT_DEFAULT_LEARNING_RATE,
             "builtin_smoke_prompts": list(BUILTIN_SMOKE_PROMPTS),
+            "max_lora_alpha_over_rank": MAX_LORA_ALPHA_OVER_RANK,
+            # what `kiln demo` trains with, so the form can say how the demo's run differs
+            "demo": DEMO_RUN,
         }
     )
 
