@@ -1230,10 +1230,25 @@ function receiptView(detail) {
         el("td", { class: "num", text: `${fmtMs(p.base_generation_ms)} / ${fmtMs(p.adapter_generation_ms)}` })));
     }
     table.append(tbody);
-    view.append(el("h3", { text: `Canaries: ${smoke.passed ? "passed" : "did not pass"}` }), el("div", { class: "scroll" }, table));
+    view.append(el("h3", { text: `Canaries: ${smoke.passed ? "passed" : "did not pass"}` }));
+    const random = (receipt.model || {}).random_init;
+    if (random) {
+      view.append(el("p", { class: "note", id: "canary-random", text: `The base model is a random checkpoint `
+        + `(preset ${random.preset}, seed ${fmtNumber(random.seed)}), so both columns are gibberish by construction: `
+        + "the canaries only check that the adapter loads, changes the base model's output and stays fast. "
+        + "Train on a real Qwen3.5 checkpoint (model.path) for answers worth reading." }));
+    }
+    view.append(el("div", { class: "scroll" }, table));
     for (const w of smoke.warnings || []) view.append(el("p", { class: "note", text: w }));
   }
   return view;
+}
+
+/** The model a job trains on, in words (a random checkpoint says so). */
+function modelText(model) {
+  if (!model) return "";
+  const random = model.random_init;
+  return `model ${model.path}` + (random ? ` (a random ${random.preset} checkpoint: the run shows the mechanics, not a useful model)` : "");
 }
 
 /** Whether a job evaluates held-out rows (its chart then draws a validation line). */
@@ -1303,6 +1318,7 @@ async function showJob(jobId) {
     const eta = etaSeconds(detail);
     setText("job-eta", detail.state === "queued" ? `queue position ${detail.queue_position}` : eta === null ? "" : `ETA ${fmtSeconds(eta)}`);
     setText("job-adapter", detail.adapter_name ? `adapter ${detail.adapter_name}` : "");
+    setText("job-model", modelText(detail.model));
     cancel.hidden = TERMINAL.has(detail.state);
     if (cancel.hidden) cancel.disabled = false;
     drawJobChart(chartBox, chartState, detail);
