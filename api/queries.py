@@ -25,6 +25,10 @@ def _summary_columns() -> list:
         receipt["rows_rejected"].as_integer().label("rows_rejected"),
         Admission.checkpoint_plan["max_segments"].as_integer().label("max_segments"),
         Admission.memory_estimate_bytes,
+        # the model of the runner admission priced the job against (outer-joined: a runner row
+        # may be gone), and whether it is a random checkpoint Kiln drew
+        Runner.model_path,
+        Runner.model_config["random_init"].label("random_init"),
     ]
 
 
@@ -39,6 +43,7 @@ def _summary(row) -> dict | None:
         "rows_rejected": row.rows_rejected,
         "max_segments": row.max_segments,
         "memory_estimate_bytes": row.memory_estimate_bytes,
+        "model": None if row.model_path is None else {"path": row.model_path, "random_init": row.random_init},
     }
 
 
@@ -47,7 +52,11 @@ def admission_summaries(session: Session, job_ids: list[str]) -> dict[str, dict]
     segment plan and the memory estimate, in one query (no per-job round trips)."""
     if not job_ids:
         return {}
-    rows = session.execute(select(Admission.job_id, *_summary_columns()).where(Admission.job_id.in_(job_ids)))
+    rows = session.execute(
+        select(Admission.job_id, *_summary_columns())
+        .outerjoin(Runner, Runner.id == Admission.runner_id)
+        .where(Admission.job_id.in_(job_ids))
+    )
     return {row.job_id: _summary(row) for row in rows}
 
 
@@ -58,6 +67,7 @@ def job_with_summary(session: Session, job_id: str) -> tuple[Job, dict | None] |
     query = (
         select(Job, *_summary_columns())
         .outerjoin(Admission, Admission.job_id == Job.id)
+        .outerjoin(Runner, Runner.id == Admission.runner_id)
         .where(Job.id == job_id, Job.deleted_at.is_(None))
     )
     row = session.execute(query).first()

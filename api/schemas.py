@@ -24,6 +24,14 @@ class ErrorEnvelope(_Out):
     error: ErrorBody
 
 
+class JobModel(_Out):
+    path: str = Field(description="The base model directory of the runner admission priced the job against.")
+    random_init: dict | None = Field(
+        description="A random checkpoint Kiln drew (kiln demo, kiln up without a model): its preset and "
+        "seed. Null for a real model. Training on random weights shows the mechanics only."
+    )
+
+
 class TrainingResponse(_Out):
     """`POST /v1/train/sft` (an Idempotency-Key replay answers the same job with its state now)."""
 
@@ -36,6 +44,7 @@ class TrainingResponse(_Out):
     total_steps: int
     grad_checkpoint_segments: int
     memory_estimate_gb: float
+    model: JobModel | None = Field(default=None, description="The base model the job trains on.")
 
 
 class TrainingData(_Out):
@@ -88,6 +97,7 @@ class TrainingStatus(_Out):
         description="Every evaluation of the held-out validation rows so far (at most 1024, evenly "
         "thinned, the last always kept); empty without validation."
     )
+    model: JobModel | None = Field(default=None, description="The base model the job trains on.")
 
 
 class LossSample(_Out):

@@ -187,6 +187,7 @@ def _status_fields(
         "global_step": job.global_step,
         "total_steps": job.total_steps,
         "validation_history": validation_samples(job, evaluations or []),
+        "model": None if summary is None else summary.get("model"),
     }
 
 
@@ -214,6 +215,7 @@ def training_response(job: Job, summary: dict, message: str) -> schemas.Training
         total_steps=job.total_steps,
         grad_checkpoint_segments=summary["max_segments"],
         memory_estimate_gb=round(summary["memory_estimate_bytes"] / GIB, 4),
+        model=summary.get("model"),
     )
 
 

@@ -44,6 +44,7 @@ from kiln_cli.http_client import (
     extract_archive,
     quote_segment,
 )
+from kiln_cli.rejected_rows import names_a_rejected_row, rejected_row_notes
 from kiln_cli.sft_submit import (
     EXIT_INTERRUPTED,
     annotate_rows,
@@ -216,7 +217,7 @@ def train_sft(
     if validation is not None:
         body["validation"] = validation
     with rows_named_in_errors(
-        lines, Path(data), validation_lines, Path(validation_data) if validation_data else None
+        lines, Path(data), validation_lines, Path(validation_data) if validation_data else None, client
     ):
         if dry_run:
             show_preflight(client, body, as_json)
@@ -237,13 +238,20 @@ def register_train(train: click.Group) -> None:
 
 @contextmanager
 def rows_named_in_errors(
-    lines: list[int], data: Path, validation_lines: list[int] | None = None, validation: Path | None = None
+    lines: list[int],
+    data: Path,
+    validation_lines: list[int] | None = None,
+    validation: Path | None = None,
+    client: ApiClient | None = None,
 ) -> Iterator[None]:
-    """An error envelope that names row indexes gets the local file's line numbers added."""
+    """An error envelope that names row indexes gets the local file's line numbers added; with
+    the `client`, a refused row of the local file brings the list of all its rejected rows."""
     try:
         yield
     except ApiError as err:
         annotate_rows(err, lines, data, validation_lines, validation)
+        if client is not None and lines and names_a_rejected_row(err.message):
+            err.notes.extend(rejected_row_notes(client, data, lines))
         raise
 
 

@@ -95,5 +95,7 @@ def report_unreachable(err: ApiUnreachable) -> None:
     base = err.base_url
     click.echo(f"kiln: cannot reach the Kiln api: {err.url}: {err.reason}", err=True)
     click.echo(
-        f"  is `kiln serve` running at {base}? Pass --url (or set {URL_ENV}) for another address.", err=True
+        f"  is Kiln running at {base}? Start it with `kiln up` (api and worker on this machine; "
+        f"`kiln serve` for the api alone), or pass --url (or set {URL_ENV}) for another address.",
+        err=True,
     )

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import click
 
+from kiln.demo import DEMO_RUN
 from kiln_cli.client_view import TERMINAL_STATES
 from kiln_cli.http_client import ApiClient, ApiError, ApiUnreachable, Connection, quote_segment
 
@@ -288,7 +289,7 @@ def register(cli: click.Group) -> None:
         help="Conversations to train on (JSONL).",
     )
     @preset_option("Random Qwen3.5 shape to build (small: hidden 256, 8 layers, full vocabulary).")
-    @click.option("--epochs", type=click.IntRange(min=1), default=3, show_default=True)
+    @click.option("--epochs", type=click.IntRange(min=1), default=DEMO_RUN["epochs"], show_default=True)
     def demo(root: Path, data: Path, preset: str, epochs: int) -> None:
         """Run api + worker on embedded defaults, train the demo adapter over HTTP, then stop.
 
@@ -375,12 +376,12 @@ def _run_demo_locked(root: Path, logs: Path, data: Path, preset: str, epochs: in
             "--url", f"http://127.0.0.1:{port}",
             "--data", str(data),
             "--epochs", str(epochs),
-            "--rank", "16",
-            "--alpha", "32",
-            "--optimizer", "adam_w",
-            "--learning-rate", "0.002",
-            "--seed", "42",
-            "--checkpoint-interval", "30",
+            "--rank", str(DEMO_RUN["lora_rank"]),
+            "--alpha", f"{DEMO_RUN['lora_alpha']:g}",
+            "--optimizer", DEMO_RUN["optimizer"],
+            "--learning-rate", str(DEMO_RUN["learning_rate"]),
+            "--seed", str(DEMO_RUN["seed"]),
+            "--checkpoint-interval", str(DEMO_RUN["checkpoint_interval"]),
             "--output-name", name,
             "--adapter-smoke-test",
         ]  # fmt: skip

@@ -163,12 +163,15 @@ class ApiClient:
         query: Mapping[str, Any] | None = None,
         headers: Mapping[str, str] | None = None,
         timeout: float | None = None,
+        raw: tuple[bytes, str] | None = None,
     ) -> Reply:
         """Send one request; the decoded JSON reply, ApiError for an error status, ApiUnreachable
-        when no answer came back."""
+        when no answer came back. `raw` is a body sent as it is: (bytes, content type)."""
         data = None
         all_headers = {"Accept": "application/json", **(headers or {})}
-        if body is not None:
+        if raw is not None:
+            data, all_headers["Content-Type"] = raw
+        elif body is not None:
             # allow_nan=False: NaN/Infinity are not JSON and the server refuses them anyway.
             data = json.dumps(body, allow_nan=False).encode("utf-8")
             all_headers["Content-Type"] = "application/json"

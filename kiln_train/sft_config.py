@@ -26,6 +26,7 @@ from pydantic import (
 
 from kiln_train.errors import invalid_request
 from kiln_train.ground.limits import MAX_DIMENSION, MAX_LAYERS
+from kiln_train.ground.near_miss import refusal_text
 from kiln_train.optim.configs import MAX_NS_ITERS as MAX_NS_ITERS
 from kiln_train.optim.configs import STRICT as _STRICT
 from kiln_train.optim.configs import AdamWConfig as AdamWConfig
@@ -305,16 +306,24 @@ class SftRequest(BaseModel):
         return self
 
 
-def describe_validation_error(exc: ValidationError, prefix: tuple[str, ...] = ()) -> str:
+def describe_validation_error(
+    exc: ValidationError, prefix: tuple[str, ...] = (), model: type[BaseModel] | None = None
+) -> str:
     """One line per problem, naming the field path (e.g. `config.optimizer.adam_w.beta1`);
-    `prefix` is the path of the validated object itself."""
+    `prefix` is the path of the validated object itself. With the validated `model`, an unknown
+    field names the nearest real one and a wrongly shaped tagged object its accepted forms."""
     parts = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in (*prefix, *err.get("loc", ())))
         msg = err.get("msg", "invalid")
         msg = msg.removeprefix("Value error, ")
+        better = refusal_text(model, err, tuple(err.get("loc", ()))) if model is not None else None
         if err.get("type") == "extra_forbidden":
             msg = "unknown field (not part of the native_online_lora_v1 contract)"
+            if better is not None:
+                msg += "; " + better.removeprefix("unknown field; ")
+        elif better is not None:
+            msg = better
         parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(parts)
 
@@ -325,7 +334,7 @@ def parse_sft_config(obj: Any, *, field_path: tuple[str, ...] = ()) -> SftConfig
     try:
         return SftConfig.model_validate(obj if obj is not None else {})
     except ValidationError as exc:
-        raise invalid_request(describe_validation_error(exc, field_path)) from None
+        raise invalid_request(describe_validation_error(exc, field_path, SftConfig)) from None
 
 
 def parse_sft_request(obj: Any) -> SftRequest:
@@ -334,4 +343,4 @@ def parse_sft_request(obj: Any) -> SftRequest:
     try:
         return SftRequest.model_validate(obj)
     except ValidationError as exc:
-        raise invalid_request(describe_validation_error(exc)) from None
+        raise invalid_request(describe_validation_error(exc, model=SftRequest)) from None

@@ -10,6 +10,7 @@ import os
 import socket
 from pathlib import Path
 
+from kiln_train.model.random_init import random_init_of
 from kiln_train.plan.budget import device_memory
 from kiln_train.plan.optimizer_support import optimizer_support_report
 from kiln_train.train.resident import ResidentModel
@@ -39,6 +40,8 @@ def runner_registration(resident: ResidentModel) -> dict:
             **resident.config.to_dict(),
             "identity": resident.identity,
             "base_weights_sha256": resident.base_weights_sha256,
+            # a random checkpoint Kiln drew (its preset and seed), else None: the job answers say so
+            "random_init": random_init_of(resident.model_dir),
         },
         "free_memory_bytes": free,
         "total_memory_bytes": total,

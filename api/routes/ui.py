@@ -5,8 +5,9 @@ from __future__ import annotations
 from flask import Blueprint, Response, jsonify, send_from_directory
 
 from api.ui import CONTENT_SECURITY_POLICY, STATIC_DIR
+from kiln.demo import DEMO_RUN
 from kiln_train.optim.kinds import registered
-from kiln_train.sft_config import BUILTIN_SMOKE_PROMPTS, SftConfig
+from kiln_train.sft_config import BUILTIN_SMOKE_PROMPTS, MAX_LORA_ALPHA_OVER_RANK, SftConfig
 
 bp = Blueprint("ui", __name__)
 
@@ -43,6 +44,9 @@ def defaults() -> Response:
                 e.kind: [{"name": n, "type": t} for n, t in e.field_types().items()] for e in kinds
             },
             "builtin_smoke_prompts": list(BUILTIN_SMOKE_PROMPTS),
+            "max_lora_alpha_over_rank": MAX_LORA_ALPHA_OVER_RANK,
+            # what `kiln demo` trains with, so the form can say how the demo's run differs
+            "demo": DEMO_RUN,
         }
     )
 

@@ -12,6 +12,7 @@ from kiln_train.artifacts.adapter_layout import ADAPTER_CONFIG, ADAPTER_MODEL, T
 from kiln_train.errors import FAILURE_REASONS
 from kiln_train.ground.digest import utc_now_rfc3339
 from kiln_train.model.config import ATTENTION_TARGETS, GDN_TARGETS, MLP_TARGETS
+from kiln_train.model.random_init import random_init_of
 
 RECEIPT_TYPE = "kiln_train_receipt"
 ADAPTER_MANIFEST_TYPE = "kiln_adapter_manifest"
@@ -139,6 +140,8 @@ def _provenance_sections(facts: RunFacts, output: dict | None) -> dict:
             "path": facts.model_path,
             "config_hash": ident.get("model_config_sha256"),
             **_present({"base_weight_shard_manifest": facts.base_weight_shard_manifest}),
+            # additive: present only for a random checkpoint Kiln drew (its preset and seed)
+            **_present({"random_init": random_init_of(facts.model_path)}),
         },
         "tokenizer": {
             "config_hash": ident.get("tokenizer_vocab_sha256"),

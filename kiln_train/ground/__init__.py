@@ -2,5 +2,6 @@
 stands on and that import nothing of kiln_train but `errors`: SHA-256 digests and canonical JSON
 (`digest.py`), the backend facts fixed at worker start (`backend.py`), durable file writes and
 the no-replace rename (`durable_files.py`), how layers are cut into gradient-checkpoint segments
-(`layer_segments.py`), and the largest model dimensions anything accepts (`limits.py`).
+(`layer_segments.py`), the largest model dimensions anything accepts (`limits.py`), and the
+near misses a refusal names (`near_miss.py`).
 Torch-free."""

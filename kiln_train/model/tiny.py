@@ -35,6 +35,7 @@ import torch
 from kiln_train.data.chat_template import CHAT_TEMPLATE_FILE, TEMPLATE_DIR
 from kiln_train.model.config import CONFIG_FILE, FULL_ATTENTION, LINEAR_ATTENTION, Qwen35Config, parse_config
 from kiln_train.model.loader import SINGLE_FILE
+from kiln_train.model.random_init import write_random_init_mark
 
 TEMPLATE_FILES = {
     "think": TEMPLATE_DIR / "qwen3_5_chat_template.jinja",  # 4B and larger
@@ -297,6 +298,7 @@ def write_tiny_checkpoint(
     if with_tokenizer:
         write_tokenizer(out, tokenizer)
         shutil.copyfile(TEMPLATE_FILES[chat_template], out / CHAT_TEMPLATE_FILE)
+    write_random_init_mark(out, preset, seed)
     return out
 
 

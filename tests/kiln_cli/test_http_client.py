@@ -20,7 +20,7 @@ def test_connection_refused_exits_3_naming_the_url(kiln):
     for args in (("jobs", "list"), ("adapters", "list"), ("jobs", "show", "x")):
         code, out, err = kiln(*args, url=url)
         assert code == 3 and out == ""
-        assert f"is `kiln serve` running at {url}?" in err and "Connection refused" in err
+        assert f"is Kiln running at {url}? Start it with `kiln up`" in err and "Connection refused" in err
 
 
 def test_the_url_comes_from_the_settings(kiln, server, tmp_path):

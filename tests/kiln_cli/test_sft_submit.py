@@ -322,7 +322,10 @@ def test_an_api_gone_while_waiting_exits_3_after_the_grace_period(kiln, tmp_path
     assert code == 3
     assert time.monotonic() - started >= 1.0  # it kept polling through the grace period
     job_id = out.splitlines()[0].split()[1]
-    assert f"/v1/train/status/{job_id}" in err and f"is `kiln serve` running at {doomed.url}?" in err
+    assert (
+        f"/v1/train/status/{job_id}" in err
+        and f"is Kiln running at {doomed.url}? Start it with `kiln up`" in err
+    )
 
 
 def test_dry_run_prints_the_plan_and_queues_nothing(kiln, server, tmp_path):

@@ -101,7 +101,7 @@ def test_expanded_forms_are_accepted_verbatim():
         ),
         (optimizer("adam"), ["optimizer", "'adam'"]),
         (optimizer("lion"), ["optimizer", "'lion'"]),
-        ({"optimizer": {"beta1": 0.9}}, ["optimizer", "discriminator 'kind'"]),
+        ({"optimizer": {"beta1": 0.9}}, ["optimizer", 'the object has no "kind"']),
         ({"optimizer": "muon"}, ["optimizer"]),
         ({"optimizer": None}, ["optimizer"]),
         ({"optimizer": ["muon"]}, ["optimizer"]),

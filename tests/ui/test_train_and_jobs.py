@@ -26,6 +26,17 @@ from tests.ui.page_support import BAD_ROLE, DEMO, SMALL, XSS_TEXT, documents, jo
 
 pytestmark = pytest.mark.timeout(600)
 
+# The memory parts the page draws (app.js MEMORY_PARTS), when above zero.
+MEMORY_PARTS = (
+    "base_weights",
+    "activations",
+    "loss_workspace",
+    "lora_param_grad",
+    "lora_optimizer_state",
+    "residency_scratch",
+    "safety_margin",
+)
+
 
 # ----- train: upload, preflight, submit, watch ------------------------------------------------
 
@@ -128,7 +139,10 @@ def _preflight_shows_the_plan(tab, stack, info: dict, adapter: str) -> None:
     assert status == 200, plan
     expect(page.locator("#preflight-max-rank")).to_have_text(str(plan["max_lora_rank_that_fits"]))
     tab.shot("train-preflight", DESKTOP)
-    expect(result.locator(".against-budget .seg")).to_have_count(7)
+    drawn = [k for k, v in plan["memory"]["breakdown"].items() if k in MEMORY_PARTS and v > 0]
+    assert "base_weights" not in drawn  # resident beside the budget: explained, not drawn as "0 B"
+    expect(result.locator(".against-budget .seg")).to_have_count(len(drawn))
+    expect(result).to_contain_text("The base model's weights are not in it")
     expect(result.locator(".memory")).to_have_attribute("data-fits", "true")
 
 
@@ -285,7 +299,7 @@ def test_a_job_that_will_not_fit_shows_the_413_breakdown(tab, stack):
     expect(result).to_have_attribute("data-status", "413")
     expect(result).to_contain_text("Estimated training step working set is")
     expect(result.locator(".memory")).to_have_attribute("data-fits", "false")
-    expect(result.locator(".against-budget .seg")).to_have_count(7)
+    expect(result.locator(".against-budget .seg")).to_have_count(6)  # the resident weights are not drawn
     for part in ("activations", "loss_workspace", "lora_param_grad", "safety_margin"):
         expect(result.locator(f".legend li[data-part='{part}']")).to_contain_text(
             re.compile(r"\d+(\.\d+)? (B|KiB|MiB|GiB)")
@@ -295,7 +309,7 @@ def test_a_job_that_will_not_fit_shows_the_413_breakdown(tab, stack):
     page.click("#sft-submit")
     banner = page.locator("#sft-error")
     expect(banner).to_have_attribute("data-status", "413")
-    expect(banner.locator(".makeup .seg")).to_have_count(7)
+    expect(banner.locator(".makeup .seg")).to_have_count(6)
     assert len(stack.jobs()) == before
 
 

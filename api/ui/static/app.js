@@ -99,6 +99,10 @@ function fmtTime(ms) {
   return ms ? new Date(ms).toLocaleString() : "–";
 }
 
+function fmtMs(x) {
+  return Number.isFinite(x) ? String(Math.round(x)) : "–";
+}
+
 function fmtNumber(x) {
   return x === null || x === undefined ? "–" : String(x);
 }
@@ -170,6 +174,13 @@ function showGlobalError(message) {
   banner.hidden = !message;
 }
 
+/** An action's failure in the page banner: an ApiFailure as a sentence with a Retry button
+ * that runs `retry`, anything else as its message. */
+function showActionError(err, retry) {
+  if (err instanceof ApiFailure) showProblem(err, retry);
+  else showGlobalError(err.message);
+}
+
 // ----- sign-in ----------------------------------------------------------------------------------
 
 function showLogin(message) {
@@ -220,15 +231,19 @@ function stopPage() {
 /** Run `fn` now and then every `ms` while this page is shown. */
 function poll(fn, ms) {
   const mine = generation;
+  let failing = false;
   const tick = async () => {
     if (mine !== generation) return;
     let again = true;
     try {
       again = (await fn()) !== false;
+      if (failing) showProblem(null); // answered again: the banner's problem is over
+      failing = false;
     } catch (err) {
       if (err instanceof ApiFailure && err.status === 401) return;
-      showGlobalError(err.message);
-      if (err instanceof ApiFailure && err.status === 404) return; // gone (a deleted job): stop asking
+      failing = true;
+      showProblem(err, route);
+      if (err instanceof ApiFailure && err.status >= 400 && err.status < 500) return; // a 404 (a deleted job): stop asking
     }
     if (again && mine === generation) {
       const t = setTimeout(tick, ms);
@@ -263,7 +278,7 @@ function route() {
     else link.removeAttribute("aria-current");
   }
   PAGES[page](arg).catch((err) => {
-    if (!(err instanceof ApiFailure && err.status === 401)) showGlobalError(err.message);
+    if (!(err instanceof ApiFailure && err.status === 401)) showProblem(err, route);
   });
 }
 
@@ -403,7 +418,7 @@ function stackedBar(parts, scale, label) {
 
 /** The breakdown as stacked bars: against the budget (with its mark), and its own make-up. */
 function memoryBar(breakdown, available) {
-  const parts = MEMORY_PARTS.filter(([key]) => breakdown[key] !== undefined).map(([key, label]) => [key, label, breakdown[key]]);
+  const parts = MEMORY_PARTS.filter(([key]) => breakdown[key] !== undefined && breakdown[key] > 0).map(([key, label]) => [key, label, breakdown[key]]);
   const sum = parts.reduce((a, [, , v]) => a + v, 0);
   const total = breakdown.total || sum;
   const scale = Math.max(sum, available, total, 1);
@@ -420,14 +435,14 @@ function memoryBar(breakdown, available) {
   });
   legend.append(el("li", {}, el("span", { class: "swatch budgetmark" }), `budget ${fmtBytes(available)}`));
   const fits = total <= available;
-  const note = breakdown.num_segments > 1
-    ? "With several checkpoint segments the activations and the loss workspace peak at different times; the estimate counts the larger."
-    : null;
+  const notes = [];
+  if (breakdown.num_segments > 1) notes.push("With several checkpoint segments the activations and the loss workspace peak at different times; the estimate counts the larger.");
+  if (breakdown.base_weights === 0) notes.push("The base model's weights are not in it: the worker already holds them, and the budget is what is left beside them.");
   return el("div", { class: "memory", dataset: { fits: String(fits) } },
     el("p", { class: "summary" }, `Memory estimate ${fmtBytes(total)} of ${fmtBytes(available)} available (${((100 * total) / Math.max(available, 1)).toFixed(1)}%) — ${fits ? "fits" : "does not fit"}`),
     el("p", { class: "note", text: "against the budget" }), budget,
     el("p", { class: "note", text: "made of" }), makeup,
-    legend, note && el("p", { class: "note", text: note }));
+    legend, notes.map((text) => el("p", { class: "note", text })));
 }
 
 function breakdownOf(failure) {
@@ -444,9 +459,20 @@ function breakdownOf(failure) {
 
 // ----- overview ---------------------------------------------------------------------------------
 
+const OVERVIEW_VALUES = ["overview-runner", "overview-model", "overview-backend", "overview-memory", "overview-queue"];
+const OVERVIEW_DETAILS = ["overview-runner-detail", "overview-device", "overview-route", "overview-memory-detail", "overview-queue-detail"];
+
 async function showOverview() {
   poll(async () => {
-    const [health, config, queue] = await Promise.all([get("/health"), get("/v1/config"), get("/v1/train/queue")]);
+    let health, config, queue;
+    try {
+      [health, config, queue] = await Promise.all([get("/health"), get("/v1/config"), get("/v1/train/queue")]);
+    } catch (err) {
+      showUnknown(OVERVIEW_VALUES, "unknown");
+      showUnknown(OVERVIEW_DETAILS, "the api did not answer; this page asks again every 3 s");
+      $("#overview-runner").className = "big dead";
+      throw err;
+    }
     const runner = health.runner;
     const runnerNode = $("#overview-runner");
     runnerNode.textContent = runner ? "alive" : "no live runner";
@@ -462,7 +488,7 @@ async function showOverview() {
     const memory = config.memory || {};
     setText("overview-memory", runner && runner.free_memory_bytes !== null
       ? `${fmtBytes(runner.free_memory_bytes)} free of ${fmtBytes(runner.total_memory_bytes)}` : "–");
-    setText("overview-memory-detail", `reserve ${memory.reserve_gb} GiB` +
+    setText("overview-memory-detail", (memory.reserve_gb === undefined ? "" : `reserve ${memory.reserve_gb} GiB`) +
       (memory.training_memory_gb ? ` · training capped at ${memory.training_memory_gb} GiB` : ""));
     setText("overview-queue", `${health.queue_depth} queued`);
     setText("overview-queue-detail", `${queue.running_jobs.length} running · ${queue.completed.length} finished`);
@@ -477,6 +503,8 @@ let pendingPrefill = null;
 // The held-out rows of the job a resume continues (a file input cannot be prefilled).
 let resumeValidation = null;
 let sampleRows = null;
+// Alpha follows the rank (alpha = 2 × rank) until the person types an alpha of their own.
+let alphaChosen = false;
 
 const FIELD_IDS = {
   output_name: "sft-output-name",
@@ -551,7 +579,7 @@ function showOptimizerFields() {
   const kind = $("#sft-optimizer").value;
   for (const node of $$(".optimizer-fields")) node.hidden = node.dataset.optimizer !== kind;
   setText("sft-learning-rate-kind", kind);
-  setText("sft-learning-rate-default", defaults ? String(defaults.learning_rate[kind]) : "…");
+  setText("sft-learning-rate-default", defaults ? String(defaults.learning_rate[kind]) : "the server's");
   $("#sft-learning-rate").placeholder = defaults ? `blank: ${defaults.learning_rate[kind]}` : "";
 }
 
@@ -565,6 +593,10 @@ function applyDefaults() {
   $("#sft-invalid-row-policy").value = c.invalid_row_policy;
   $("#sft-detect-anomaly").checked = c.detect_anomaly;
   $("#sft-adapter-smoke-test").checked = c.adapter_smoke_test;
+  $("#sft-allow-high-lora-scale").checked = c.allow_high_lora_scale;
+  setText("sft-max-lora-scale", String(defaults.max_lora_alpha_over_rank));
+  alphaChosen = c.lora_alpha !== ALPHA_PER_RANK * c.lora_rank;
+  demoNote();
   for (const kind of defaults.optimizer_kinds) {
     for (const input of $$(`[data-optimizer='${kind}'] [data-key]`)) {
       const value = defaults.optimizers[kind][input.dataset.key];
@@ -575,6 +607,53 @@ function applyDefaults() {
   $("#sft-adapter-smoke-prompts").placeholder = defaults.builtin_smoke_prompts.join("\n");
   syncSmokePrompts();
   showOptimizerFields();
+}
+
+const ALPHA_PER_RANK = 2;
+
+/** A new rank carries alpha along (2 × rank) unless alpha was chosen by hand. */
+function followRank() {
+  const rank = Number($("#sft-lora-rank").value);
+  if (!alphaChosen && Number.isInteger(rank) && rank > 0) $("#sft-lora-alpha").value = String(ALPHA_PER_RANK * rank);
+}
+
+/** How the demo's run differs from the server's defaults the form starts from, in words. */
+function demoDifferences() {
+  const demo = defaults.demo;
+  const c = defaults.config;
+  const lr = defaults.learning_rate;
+  const out = [];
+  if (demo.optimizer !== c.optimizer.kind) out.push(`optimizer ${demo.optimizer} (the server's default is ${c.optimizer.kind})`);
+  if (demo.learning_rate !== lr[demo.optimizer]) out.push(`learning rate ${demo.learning_rate} (the ${demo.optimizer} default is ${lr[demo.optimizer]})`);
+  if (demo.epochs !== c.epochs) out.push(`${demo.epochs} epochs (default ${c.epochs})`);
+  if (demo.lora_rank !== c.lora_rank || demo.lora_alpha !== c.lora_alpha) out.push(`rank ${demo.lora_rank} / alpha ${demo.lora_alpha}`);
+  out.push(`seed ${demo.seed}`);
+  return out;
+}
+
+function demoNote() {
+  const node = $("#sft-demo-note");
+  if (!defaults.demo) {
+    node.hidden = true;
+    return;
+  }
+  node.hidden = false;
+  setText("sft-demo-differences", demoDifferences().join(", "));
+}
+
+/** Fill the form with the demo's settings (its data is the sample). */
+function useDemoSettings() {
+  const demo = defaults.demo;
+  $("#sft-epochs").value = String(demo.epochs);
+  $("#sft-lora-rank").value = String(demo.lora_rank);
+  $("#sft-lora-alpha").value = String(demo.lora_alpha);
+  alphaChosen = demo.lora_alpha !== ALPHA_PER_RANK * demo.lora_rank;
+  $("#sft-optimizer").value = demo.optimizer;
+  showOptimizerFields();
+  $("#sft-learning-rate").value = String(demo.learning_rate);
+  $("#sft-seed").value = String(demo.seed);
+  setSource("sample");
+  formKey = randomKey();
 }
 
 function syncSmokePrompts() {
@@ -658,6 +737,11 @@ function wireTrain() {
   $("#sft-dataset-text").addEventListener("input", () => setSource("text"));
   $("#sft-dataset-select").addEventListener("change", () => setSource("stored"));
   $("#sft-optimizer").addEventListener("change", showOptimizerFields);
+  $("#sft-lora-alpha").addEventListener("input", () => {
+    alphaChosen = true;
+  });
+  $("#sft-lora-rank").addEventListener("input", followRank);
+  $("#sft-demo-settings").addEventListener("click", useDemoSettings);
   $("#sft-adapter-smoke-test").addEventListener("change", syncSmokePrompts);
   $("#sft-output-name").addEventListener("change", () => loadChoices().catch(() => {}));
   $("#sft-dataset-upload").addEventListener("click", uploadDataset);
@@ -717,7 +801,13 @@ function parsePasted(text, field) {
 
 async function sampleText() {
   if (sampleRows === null) {
-    const response = await fetch("/ui/sample.jsonl", { cache: "no-store" });
+    let response;
+    try {
+      response = await fetch("/ui/sample.jsonl", { cache: "no-store" });
+    } catch (err) {
+      throw new ApiFailure(0, { code: "unreachable", message: `the Kiln api cannot be reached (${err.message})` });
+    }
+    if (!response.ok) throw new ApiFailure(response.status, { code: `http_${response.status}`, message: "the sample rows could not be loaded" });
     sampleRows = await response.text();
   }
   return sampleRows;
@@ -777,6 +867,7 @@ async function buildRequest() {
   if (seed) config.seed = /^[0-9]+$/.test(seed) ? seed : numberOf(seed, true);
   config.invalid_row_policy = $("#sft-invalid-row-policy").value;
   if ($("#sft-detect-anomaly").checked) config.detect_anomaly = true;
+  if ($("#sft-allow-high-lora-scale").checked) config.allow_high_lora_scale = true;
   if ($("#sft-adapter-smoke-test").checked) {
     config.adapter_smoke_test = true;
     const prompts = $("#sft-adapter-smoke-prompts").value.split("\n").map((p) => p.trim()).filter(Boolean);
@@ -850,7 +941,7 @@ function fieldOfMessage(message) {
   return best ? best.id : null;
 }
 
-function showFailure(err, target) {
+function showFailure(err, target, retry) {
   const banner = $("#sft-error");
   if (err instanceof InputProblem) {
     markField(err.field, err.message);
@@ -870,11 +961,18 @@ function showFailure(err, target) {
   if (field && markField(field, err.message)) {
     document.getElementById(field).focus();
   }
+  if (err instanceof ApiFailure && (isUnreachable(err) || err.status >= 500)) {
+    banner.append(...problemNodes(err, retry));
+    banner.dataset.status = String(err.status || 0);
+    banner.hidden = false;
+    return;
+  }
   banner.append(
     el("strong", { text: `${err.code || "error"}${err.status ? ` (HTTP ${err.status})` : ""}: ` }),
-    err.message,
-    err.hint ? el("p", { class: "note", text: err.hint }) : null,
+    err.message || String(err),
   );
+  if (err.hint) banner.append(el("p", { class: "note", text: err.hint }));
+  banner.dataset.status = String(err.status || "");
   banner.hidden = false;
 }
 
@@ -891,11 +989,15 @@ async function runPreflight() {
     renderPreflight(result, data);
   } catch (err) {
     if (err instanceof ApiFailure && err.status === 413) showFailure(err, result);
-    else showFailure(err);
+    else showFailure(err, null, runPreflight);
   } finally {
     button.disabled = false;
   }
 }
+
+// Why a dataset's sha256 and a run's kept-corpus sha256 never match.
+const KEPT_CORPUS_NOTE = "The SHA-256 of the kept rows' own hashes, in order: it names exactly what trains, "
+  + "so it differs from a stored dataset's sha256, which is of the file's bytes.";
 
 function renderPreflight(box, plan) {
   box.dataset.status = "200";
@@ -915,7 +1017,8 @@ function renderPreflight(box, plan) {
       ],
       ["rank range", `${plan.lora_rank_range.minimum}..${plan.lora_rank_range.maximum}`],
       ["resume", plan.resume_checkpoint],
-      ["kept corpus", el("span", { class: "mono", text: plan.kept_corpus_sha256 })],
+      ["kept corpus", el("span", {}, el("span", { class: "mono", text: plan.kept_corpus_sha256 }),
+        el("span", { class: "note block", text: KEPT_CORPUS_NOTE }))],
     ]),
     memoryBar(plan.memory.breakdown, plan.memory.available_bytes),
   );
@@ -952,7 +1055,7 @@ async function submitJob() {
     const { data } = await api("POST", "/v1/train/sft", { json: body, headers: { "Idempotency-Key": key } });
     location.hash = `#/jobs/${encodeURIComponent(data.job_id)}`;
   } catch (err) {
-    showFailure(err);
+    showFailure(err, null, submitJob);
   } finally {
     button.disabled = false;
   }
@@ -978,7 +1081,8 @@ async function uploadDataset() {
     const s = data.stats;
     out.textContent = `Stored ${data.name}: ${s.rows_kept} row(s) kept, ${s.rows_rejected} rejected, ${s.tokens} tokens (${s.supervised_tokens} supervised).`;
   } catch (err) {
-    if (err instanceof ApiFailure) markField("sft-dataset-file", `${err.code}: ${err.message}`);
+    if (err instanceof ApiFailure && (isUnreachable(err) || err.status >= 500)) markField("sft-dataset-file", describeFailure(err));
+    else if (err instanceof ApiFailure) markField("sft-dataset-file", `${err.code}: ${err.message}`);
   } finally {
     button.disabled = false;
   }
@@ -1004,6 +1108,8 @@ function applyPrefill(prefill) {
   set("sft-epochs", c.epochs);
   set("sft-lora-rank", c.lora_rank);
   set("sft-lora-alpha", c.lora_alpha);
+  alphaChosen = c.lora_alpha !== ALPHA_PER_RANK * c.lora_rank;
+  $("#sft-allow-high-lora-scale").checked = Boolean(c.allow_high_lora_scale);
   $("#sft-optimizer").value = c.optimizer.kind;
   for (const input of $$(`[data-optimizer='${c.optimizer.kind}'] [data-key]`)) {
     const value = c.optimizer[input.dataset.key];
@@ -1063,7 +1169,7 @@ async function showJobs() {
             try {
               await cancelJob(job.job_id);
             } catch (err) {
-              showGlobalError(err.message);
+              showActionError(err, route);
             }
           },
         }));
@@ -1124,7 +1230,10 @@ function receiptView(detail) {
   const timings = receipt.phase_timings || {};
   const precision = runtime.training_precision;
   const wall = runtime.wall_clock_ms;
-  const steps = (detail.loss_history || []).length ? detail.loss_history[detail.loss_history.length - 1].step : detail.global_step;
+  // Steps trained, from the receipt itself (one row per step), so the job page and the adapter's
+  // receipt view give the same figure; the job's own history where an older receipt lacks it.
+  const history = detail.loss_history || [];
+  const steps = (receipt.data || {}).examples_trained || (history.length ? history[history.length - 1].step : detail.global_step);
   const meanStep = wall && steps ? wall / 1000 / steps : null;
   const phases = Object.entries(timings).filter(([k, v]) => k.endsWith("_ms") && v > 0).map(([k, v]) => `${k.replace(/_ms$/, "")} ${Math.round(v)} ms`);
   const view = el("div", { id: "receipt-summary" }, pairs([
@@ -1133,7 +1242,7 @@ function receiptView(detail) {
     ["loss route", runtime.sft_loss_route],
     ["learning rate", fmtNumber(hyper.learning_rate)],
     ["seed", hyper.seed],
-    ["rank / alpha", `${hyper.rank} / ${hyper.alpha}`],
+    ["rank / alpha", `${fmtNumber(hyper.rank)} / ${fmtNumber(hyper.alpha)}`],
     ["epochs", fmtNumber(hyper.epochs)],
     ["precision", precision && typeof precision === "object"
       ? `params ${precision.parameter_dtype}, activations ${precision.activation_dtype}, grads ${precision.gradient_dtype}, optimizer state ${precision.optimizer_state_dtype}`
@@ -1153,19 +1262,63 @@ function receiptView(detail) {
     const tbody = el("tbody");
     for (const p of smoke.prompts) {
       tbody.append(el("tr", {}, el("td", { text: p.prompt }), el("td", { text: p.base_output }), el("td", { text: p.adapter_output }),
-        el("td", { class: "num", text: `${Math.round(p.base_generation_ms)} / ${Math.round(p.adapter_generation_ms)}` })));
+        el("td", { class: "num", text: `${fmtMs(p.base_generation_ms)} / ${fmtMs(p.adapter_generation_ms)}` })));
     }
     table.append(tbody);
-    view.append(el("h3", { text: `Canaries: ${smoke.passed ? "passed" : "did not pass"}` }), el("div", { class: "scroll" }, table));
+    view.append(el("h3", { text: `Canaries: ${smoke.passed ? "passed" : "did not pass"}` }));
+    const random = (receipt.model || {}).random_init;
+    if (random) {
+      view.append(el("p", { class: "note", id: "canary-random", text: `The base model is a random checkpoint `
+        + `(preset ${random.preset}, seed ${fmtNumber(random.seed)}), so both columns are gibberish by construction: `
+        + "the canaries only check that the adapter loads, changes the base model's output and stays fast. "
+        + "Train on a real Qwen3.5 checkpoint (model.path) for answers worth reading." }));
+    }
+    view.append(el("div", { class: "scroll" }, table));
     for (const w of smoke.warnings || []) view.append(el("p", { class: "note", text: w }));
   }
   return view;
 }
 
+/** The model a job trains on, in words (a random checkpoint says so). */
+function modelText(model) {
+  if (!model) return "";
+  const random = model.random_init;
+  return `model ${model.path}` + (random ? ` (a random ${random.preset} checkpoint: the run shows the mechanics, not a useful model)` : "");
+}
+
+/** Whether a job evaluates held-out rows (its chart then draws a validation line). */
+function hasValidation(detail) {
+  return (detail.validation_history || []).length > 0 || Boolean(detail.replay_request && detail.replay_request.validation);
+}
+
+/** The job's chart: a sentence until the first point, then the curves (a validation line only
+ * for a job with validation, so its legend never shows an empty one). */
+function drawJobChart(box, state, detail) {
+  const data = jobSeries(detail);
+  const withValidation = hasValidation(detail);
+  if (data[0].length === 0) {
+    state.chart = null;
+    clear(box).append(el("p", { class: "muted chart-empty", text: TERMINAL.has(detail.state)
+      ? "This job trained no step, so there is no loss curve."
+      : "The loss curve appears here after the first training step." }));
+    box.dataset.points = "0";
+    box.dataset.validationPoints = "0";
+    return;
+  }
+  if (!state.chart || state.withValidation !== withValidation) {
+    state.chart = lossChart(box, withValidation ? JOB_LINES : JOB_LINES.slice(0, 2));
+    state.withValidation = withValidation;
+  }
+  setChartData(box, state.chart, withValidation ? data : data.slice(0, 3));
+  // The validation points the chart draws (non-null values of its validation line).
+  box.dataset.validationPoints = String(withValidation ? data[3].filter((v) => v !== null && v !== undefined).length : 0);
+}
+
 async function showJob(jobId) {
   setText("job-id", jobId);
   const chartBox = $("#job-loss-chart");
-  const chart = lossChart(chartBox, JOB_LINES);
+  const chartState = { chart: null, withValidation: null };
+  clear(chartBox).append(el("p", { class: "muted chart-empty", text: "Loading the job." }));
   const events = clear($("#job-events"));
   clear($("#job-receipt"));
   clear($("#job-checkpoints"));
@@ -1179,11 +1332,19 @@ async function showJob(jobId) {
     try {
       await cancelJob(jobId);
     } catch (err) {
-      showGlobalError(err.message);
+      showActionError(err, route);
     }
   };
   poll(async () => {
-    detail = await get(`/v1/train/jobs/${encodeURIComponent(jobId)}`);
+    try {
+      detail = await get(`/v1/train/jobs/${encodeURIComponent(jobId)}`);
+    } catch (err) {
+      if (detail === null) {
+        clear(chartBox).append(el("p", { class: "muted chart-empty", text: "The job could not be loaded (see the message above)." }));
+        setText("job-state", "unknown");
+      }
+      throw err;
+    }
     const stateNode = $("#job-state");
     stateNode.textContent = detail.state;
     stateNode.className = `state ${detail.state}`;
@@ -1192,11 +1353,10 @@ async function showJob(jobId) {
     const eta = etaSeconds(detail);
     setText("job-eta", detail.state === "queued" ? `queue position ${detail.queue_position}` : eta === null ? "" : `ETA ${fmtSeconds(eta)}`);
     setText("job-adapter", detail.adapter_name ? `adapter ${detail.adapter_name}` : "");
+    setText("job-model", modelText(detail.model));
     cancel.hidden = TERMINAL.has(detail.state);
     if (cancel.hidden) cancel.disabled = false;
-    setChartData(chartBox, chart, jobSeries(detail));
-    // The validation points the chart draws (non-null values of its validation line).
-    chartBox.dataset.validationPoints = String(chart.data[3].filter((v) => v !== null && v !== undefined).length);
+    drawJobChart(chartBox, chartState, detail);
     const evaluations = detail.validation_history || [];
     const last = evaluations[evaluations.length - 1];
     setText("job-validation", last ? `validation loss ${fmtLoss(last.loss)}, token accuracy ${last.token_accuracy.toFixed(4)}` : "");
@@ -1224,15 +1384,19 @@ async function showJob(jobId) {
   }, POLL_MS);
 }
 
+function noCheckpointsText(detail) {
+  if (detail.state === "completed") return "This run left no checkpoints; its adapter is the result (checkpoints only matter to resume a stopped run).";
+  if (detail.state === "failed") return "This run wrote no checkpoint before it stopped, so it cannot be resumed; submit it again.";
+  return "None yet: one is written every checkpoint interval (SFT Advanced) while the job runs.";
+}
+
 async function showCheckpoints(detail) {
   const box = $("#job-checkpoints");
-  if (!detail.adapter_name) return;
+  const none = () => clear(box).append(el("p", { class: "muted", text: noCheckpointsText(detail) }));
+  if (!detail.adapter_name) return none();
   const { checkpoints } = await get(`/v1/checkpoints?adapter=${encodeURIComponent(detail.adapter_name)}`);
   clear(box);
-  if (!checkpoints.length) {
-    box.append(el("p", { class: "muted", text: "None yet." }));
-    return;
-  }
+  if (!checkpoints.length) return none();
   const tbody = el("tbody");
   // Admission resumes from the newest checkpoint only: a run from an older one would have to
   // publish the later checkpoints' names again.
@@ -1365,7 +1529,8 @@ async function runInspect(offset) {
     }
   } catch (err) {
     if (err instanceof ApiFailure || err instanceof Error) {
-      box.append(el("p", { class: "banner error" }, err.code ? el("strong", { text: `${err.code}: ` }) : null, err.message));
+      const sentence = err instanceof ApiFailure && (isUnreachable(err) || err.status >= 500);
+      box.append(el("p", { class: "banner error" }, sentence ? problemNodes(err, () => runInspect(offset)) : [err.code ? el("strong", { text: `${err.code}: ` }) : null, err.message]));
     }
   } finally {
     button.disabled = false;
@@ -1377,10 +1542,15 @@ async function runInspect(offset) {
 async function download(name) {
   const headers = {};
   if (token()) headers.Authorization = `Bearer ${token()}`;
-  const response = await fetch(`/v1/adapters/${encodeURIComponent(name)}/download`, { headers, credentials: "omit" });
+  let response;
+  try {
+    response = await fetch(`/v1/adapters/${encodeURIComponent(name)}/download`, { headers, credentials: "omit" });
+  } catch (err) {
+    throw new ApiFailure(0, { code: "unreachable", message: `the Kiln api cannot be reached (${err.message})` });
+  }
   if (!response.ok) {
     const body = await response.json().catch(() => null);
-    throw new Error(body && body.error ? body.error.message : `download failed (HTTP ${response.status})`);
+    throw new ApiFailure(response.status, body && body.error ? body.error : { code: `http_${response.status}`, message: "the download failed" });
   }
   const url = URL.createObjectURL(await response.blob());
   const link = el("a", { href: url, download: `${name}.tar.gz` });
@@ -1416,7 +1586,7 @@ function confirmButton(label, action) {
     try {
       await action();
     } catch (err) {
-      showGlobalError(err.message);
+      showActionError(err, route);
       button.disabled = false;
     }
   });
@@ -1436,8 +1606,8 @@ async function showAdapters() {
       el("td", { class: "num", text: String(a.checkpoints.length) }),
       el("td", {}, a.job_id ? el("a", { href: `#/jobs/${encodeURIComponent(a.job_id)}`, class: "mono", text: a.job_id }) : "–"),
       el("td", { class: "row-actions" },
-        el("button", { type: "button", class: "small receipt", text: "Receipt", onclick: () => showReceipt(a.name).catch((err) => showGlobalError(err.message)) }),
-        el("button", { type: "button", class: "small download", text: "Download", onclick: () => download(a.name).catch((err) => showGlobalError(err.message)) }),
+        el("button", { type: "button", class: "small receipt", text: "Receipt", onclick: function again() { showReceipt(a.name).catch((err) => showActionError(err, again)); } }),
+        el("button", { type: "button", class: "small download", text: "Download", onclick: function again() { download(a.name).catch((err) => showActionError(err, again)); } }),
         confirmButton("Delete", async () => {
           await api("DELETE", `/v1/adapters/${encodeURIComponent(a.name)}`);
           await showAdapters();

@@ -32,6 +32,7 @@ STATUS_FIELDS = {
     "global_step",
     "total_steps",
     "validation_history",
+    "model",
 }
 
 

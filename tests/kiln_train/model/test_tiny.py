@@ -27,6 +27,7 @@ FILES = {
     "tokenizer.json",
     "tokenizer_config.json",
     "chat_template.jinja",
+    "kiln-random-init.json",  # the mark of a random checkpoint (kiln_train/model/random_init.py)
 }
 
 
