@@ -361,7 +361,7 @@ class WorkerRuntime:
             self.recording.finish_failed(pinned.job_id, "oom", shortfall, code=RESERVATION_FAILED_CODE)
             return "failed"
         try:
-            result = self._train(pinned, work)
+            result = train_sft(self._train_request(pinned, work))
         except KilnError as exc:  # refused before training (e.g. a name taken since admission)
             self.recording.finish_failed(pinned.job_id, "training_error", exc.message, code=exc.code)
             return "failed"
@@ -387,25 +387,24 @@ class WorkerRuntime:
         self.reconciler.run_once()
         return "requeued"
 
-    def _train(self, pinned: PinnedJob, work) -> TrainResult:
-        return train_sft(
-            TrainRequest(
-                resident=self.resident,
-                config=work.config,
-                ingestion=work.ingestion,
-                loss_route=pinned.loss_route,
-                output_root=self.settings.adapters_dir,
-                adapter_name=pinned.adapter_name,
-                progress=lambda report: self.recording.on_step(pinned.job_id, report),
-                should_stop=lambda: self._should_stop(pinned.job_id),
-                checkpoint_plan=work.checkpoint_plan,
-                resume_checkpoint=work.resume_path,
-                on_checkpoint=lambda record: self.recording.on_checkpoint(pinned.job_id, record),
-                run_id=pinned.job_id[:8] + "-" + uuid.uuid4().hex[:6],
-                fence=self._run_of(pinned.job_id).fence,
-                validation=work.validation,
-                on_evaluation=lambda evaluation: self.recording.on_evaluation(pinned.job_id, evaluation),
-            )
+    def _train_request(self, pinned: PinnedJob, work) -> TrainRequest:
+        """The verified plan as the trainer's request, wired to this runtime's recording and fence."""
+        return TrainRequest(
+            resident=self.resident,
+            config=work.config,
+            ingestion=work.ingestion,
+            loss_route=pinned.loss_route,
+            output_root=self.settings.adapters_dir,
+            adapter_name=pinned.adapter_name,
+            progress=lambda report: self.recording.on_step(pinned.job_id, report),
+            should_stop=lambda: self._should_stop(pinned.job_id),
+            checkpoint_plan=work.checkpoint_plan,
+            resume_checkpoint=work.resume_path,
+            on_checkpoint=lambda record: self.recording.on_checkpoint(pinned.job_id, record),
+            run_id=pinned.job_id[:8] + "-" + uuid.uuid4().hex[:6],
+            fence=self._run_of(pinned.job_id).fence,
+            validation=work.validation,
+            on_evaluation=lambda evaluation: self.recording.on_evaluation(pinned.job_id, evaluation),
         )
 
     def _withdraw_unrecorded_leftovers(self, pinned: PinnedJob, work) -> None:
