@@ -253,6 +253,8 @@ class WorkerRuntime:
             self._run_one(ids[0])
 
     def _run_one(self, job_id: str) -> str:
+        """Claim, then verify, reserve, train, record. Whatever goes wrong ends the job `failed` with
+        a code; nothing leaves it `running` behind a worker that moved on."""
         pinned = self._claim(job_id)
         if pinned is None:
             return "dropped"
@@ -260,7 +262,32 @@ class WorkerRuntime:
         run.fence = JobFence(self, job_id, pinned.attempt, _run_identity(pinned))
         self.run = run
         try:
-            return self._execute(pinned)
+            return self._verify_and_train(pinned)
+        except OwnershipLost:
+            # The one line a stale run logs: it recorded nothing, the current owner records all.
+            log.warning(
+                "job %s: claim %d was superseded by a later claim; this run stopped and recorded nothing",
+                pinned.job_id,
+                pinned.attempt,
+            )
+            return "lost"
+        except STORE_UNREACHABLE:
+            # The store stayed unreachable through the retries: the outcome cannot be recorded
+            # now. Our lease runs out and the reconciler settles the job from what is on disk
+            # (the published adapter, the newest checkpoint) or fails it `worker_lost`.
+            log.exception(
+                "job %s: the job store is unreachable; leaving the job to the reconciler", pinned.job_id
+            )
+            raise
+        except Exception as exc:
+            log.exception("job %s: the worker failed", pinned.job_id)
+            self.recording.finish_failed(
+                pinned.job_id,
+                WORKER_ERROR_REASON,
+                f"worker error: {type(exc).__name__}: {exc}",
+                code=WORKER_ERROR_CODE,
+            )
+            return "failed"
         finally:
             self.run = None
             try:
@@ -316,37 +343,6 @@ class WorkerRuntime:
             and (last.data or {}).get("worker_id") == self.worker_id
         )
 
-    def _execute(self, pinned: PinnedJob) -> str:
-        """Verify, reserve, train, record. Whatever goes wrong ends the job `failed` with a code;
-        nothing leaves it `running` behind a worker that moved on."""
-        try:
-            return self._verify_and_train(pinned)
-        except OwnershipLost:
-            # The one line a stale run logs: it recorded nothing, the current owner records all.
-            log.warning(
-                "job %s: claim %d was superseded by a later claim; this run stopped and recorded nothing",
-                pinned.job_id,
-                pinned.attempt,
-            )
-            return "lost"
-        except STORE_UNREACHABLE:
-            # The store stayed unreachable through the retries: the outcome cannot be recorded
-            # now. Our lease runs out and the reconciler settles the job from what is on disk
-            # (the published adapter, the newest checkpoint) or fails it `worker_lost`.
-            log.exception(
-                "job %s: the job store is unreachable; leaving the job to the reconciler", pinned.job_id
-            )
-            raise
-        except Exception as exc:
-            log.exception("job %s: the worker failed", pinned.job_id)
-            self.recording.finish_failed(
-                pinned.job_id,
-                WORKER_ERROR_REASON,
-                f"worker error: {type(exc).__name__}: {exc}",
-                code=WORKER_ERROR_CODE,
-            )
-            return "failed"
-
     def _verify_and_train(self, pinned: PinnedJob) -> str:
         try:
             work = verify_plan(pinned, self.resident, self.settings)
@@ -361,7 +357,7 @@ class WorkerRuntime:
             self.recording.finish_failed(pinned.job_id, "oom", shortfall, code=RESERVATION_FAILED_CODE)
             return "failed"
         try:
-            result = train_sft(self._train_request(pinned, work))
+            result = self._train(pinned, work)
         except KilnError as exc:  # refused before training (e.g. a name taken since admission)
             self.recording.finish_failed(pinned.job_id, "training_error", exc.message, code=exc.code)
             return "failed"
@@ -387,24 +383,25 @@ class WorkerRuntime:
         self.reconciler.run_once()
         return "requeued"
 
-    def _train_request(self, pinned: PinnedJob, work) -> TrainRequest:
-        """The verified plan as the trainer's request, wired to this runtime's recording and fence."""
-        return TrainRequest(
-            resident=self.resident,
-            config=work.config,
-            ingestion=work.ingestion,
-            loss_route=pinned.loss_route,
-            output_root=self.settings.adapters_dir,
-            adapter_name=pinned.adapter_name,
-            progress=lambda report: self.recording.on_step(pinned.job_id, report),
-            should_stop=lambda: self._should_stop(pinned.job_id),
-            checkpoint_plan=work.checkpoint_plan,
-            resume_checkpoint=work.resume_path,
-            on_checkpoint=lambda record: self.recording.on_checkpoint(pinned.job_id, record),
-            run_id=pinned.job_id[:8] + "-" + uuid.uuid4().hex[:6],
-            fence=self._run_of(pinned.job_id).fence,
-            validation=work.validation,
-            on_evaluation=lambda evaluation: self.recording.on_evaluation(pinned.job_id, evaluation),
+    def _train(self, pinned: PinnedJob, work) -> TrainResult:
+        return train_sft(
+            TrainRequest(
+                resident=self.resident,
+                config=work.config,
+                ingestion=work.ingestion,
+                loss_route=pinned.loss_route,
+                output_root=self.settings.adapters_dir,
+                adapter_name=pinned.adapter_name,
+                progress=lambda report: self.recording.on_step(pinned.job_id, report),
+                should_stop=lambda: self._should_stop(pinned.job_id),
+                checkpoint_plan=work.checkpoint_plan,
+                resume_checkpoint=work.resume_path,
+                on_checkpoint=lambda record: self.recording.on_checkpoint(pinned.job_id, record),
+                run_id=pinned.job_id[:8] + "-" + uuid.uuid4().hex[:6],
+                fence=self._run_of(pinned.job_id).fence,
+                validation=work.validation,
+                on_evaluation=lambda evaluation: self.recording.on_evaluation(pinned.job_id, evaluation),
+            )
         )
 
     def _withdraw_unrecorded_leftovers(self, pinned: PinnedJob, work) -> None:
