@@ -1,15 +1,17 @@
 """SFT admission: `POST /v1/train/sft` from body to queued job (docs/ARCHITECTURE.md#the-path-of-one-job).
 
-Order: (1) validate the request; (2) Idempotency-Key replay or 422; (3) queue limits; (4) the
-live runner; (5) static gates and the output name; (6) resume checkpoint; (7) defaults (learning
-rate, the seed drawn once, checkpoint interval, output name); (8) ingestion with the runner's
-tokenizer; (9) memory admission and the segment plan; (10) one transaction writing the pinned
-admission, the job and its first event — limits, key and name re-checked inside it, with
-admissions serialised (SQLite's write lock, a Postgres advisory lock) so queue order is commit
-order; (11) publish with task_id = job_id, then mark published.
+The steps, numbered as docs/ARCHITECTURE.md#the-path-of-one-job numbers them (the `# (n)` marks
+below): (1) an admission slot and (2) the body read, in api.routes.training; (3) parse and
+validate the request; (4) Idempotency-Key replay or 422; (5) queue limits, the live runner and
+what it holds; (6) static gates, the warm-start adapter and the output name; (7) the resume
+checkpoint and the defaults (learning rate, the seed drawn once, checkpoint interval, output
+name); (8) ingestion with the runner's tokenizer; (9) memory admission and the segment plan;
+(10) one transaction writing the pinned admission, the job and its first event — limits, key and
+name re-checked inside it, with admissions serialised (SQLite's write lock, a Postgres advisory
+lock) so queue order is commit order; (11) publish with task_id = job_id, then mark published.
 
 The checks that need no store live in api.admission_checks and, shared with the library's
-`finetune`, in kiln_train/plan/ (names.py, gates.py); steps 6-9 and the rows of step 10 in
+`finetune`, in kiln_train/plan/ (names.py, gates.py); steps 7-9 and the rows of step 10 in
 api.admission_plan; this module runs them in order and holds the transaction. Steps 1-9
 write nothing, so a rejected request leaves no row, no message and no file. No database
 transaction is held across ingestion or memory planning.
@@ -83,7 +85,7 @@ class Admitted:
 
 
 def parse_submission(body: object) -> SftRequest:
-    """Step 1: the body as a request, its names and its dataset_path length checked (400)."""
+    """Step 3: the body as a request, its names and its dataset_path length checked (400)."""
     request = parse_sft_request(body)
     check_request_names(request.config)
     check_dataset_path_length(request)
@@ -94,8 +96,8 @@ def admit_sft(svc: Services, body: object, idempotency_key: str | None, scope: s
     """Admit one SFT request or raise the contract error that rejects it (nothing written).
 
     `scope` is the caller's (api.auth.caller_scope): Idempotency-Keys of other scopes never meet."""
-    request = parse_submission(body)  # (1)
-    key = check_idempotency_key(idempotency_key, scope)
+    request = parse_submission(body)  # (3)
+    key = check_idempotency_key(idempotency_key, scope)  # (4)
     fingerprint = request_fingerprint(body)
     try:
         return _admit(svc, request, key, fingerprint)
@@ -112,12 +114,12 @@ def admit_sft(svc: Services, body: object, idempotency_key: str | None, scope: s
 
 
 def _admit(svc: Services, request: SftRequest, key: IdempotencyKey | None, fingerprint: str) -> Admitted:
-    if key is not None:  # (2)
+    if key is not None:  # (4)
         with svc.sessions() as session:
             replay = _replay(session, key, fingerprint)
         if replay is not None:
             return replay
-    plan = plan_sft(svc, request)  # (3)-(9), no transaction held
+    plan = plan_sft(svc, request)  # (5)-(9), no transaction held
     with svc.sessions.begin() as session:  # (10)
         lock_admissions(session)
         if key is not None:
@@ -150,25 +152,25 @@ def _admit(svc: Services, request: SftRequest, key: IdempotencyKey | None, finge
 
 
 def plan_sft(svc: Services, request: SftRequest) -> AdmissionPlan:
-    """Steps 3-9 for a parsed request: limits, the live runner, the static gates, the names, the
+    """Steps 5-9 for a parsed request: limits, the live runner, the static gates, the names, the
     resume point, defaults, ingestion and the memory plan. Writes nothing, so a preflight is this
     and no more; raises the error the submission would get."""
     settings = svc.settings
     with svc.sessions() as session:
-        _check_limits(session, svc)  # (3)
-        runner = live_runner(session, settings.training.runner_stale_seconds)  # (4)
+        _check_limits(session, svc)  # (5)
+        runner = live_runner(session, settings.training.runner_stale_seconds)
         if runner is None:
             raise KilnError(
                 TRAINING_NO_RUNNER,
                 "no live training runner: no worker has sent a heartbeat within "
                 f"{settings.training.runner_stale_seconds} s",
             )
-        target = runner_target(runner)  # (5)
-        check_static_gates(target, request.config)
+        target = runner_target(runner)
+        check_static_gates(target, request.config)  # (6)
         check_base_adapter(request.config, settings.adapters_dir, target.model)
         if request.config.output_name is not None:
             _check_adapter_free(session, svc, request.config.output_name)
-    plan = prepare_plan(svc, request, target)  # (6)-(9)
+    plan = prepare_plan(svc, request, target)  # (7)-(9)
     _check_no_later_checkpoints(svc, plan)  # checked again inside the commit (10)
     return plan
 

@@ -1,5 +1,5 @@
-"""Admission steps 6-9 for a submission: the resume point, the defaults, ingestion with the
-runner's tokenizer, the memory plan; and the rows that plan becomes in step 10 (the job, its
+"""Admission steps 7-9 for a submission (docs/ARCHITECTURE.md#the-path-of-one-job): the resume
+point and the defaults, ingestion with the runner's tokenizer, the memory plan; and the rows that plan becomes in step 10 (the job, its
 pinned admission, its first event). Nothing here writes.
 """
 
@@ -33,7 +33,7 @@ class AdmissionPlan:
 
 
 def prepare_plan(svc: Services, request: SftRequest, target: RunnerTarget) -> AdmissionPlan:
-    """Steps 6-9 (`kiln_train/plan/run_plan.py: plan_run`) with the runner's tokenizer and the
+    """Steps 7-9 (`kiln_train/plan/run_plan.py: plan_run`) with the runner's tokenizer and the
     budget its registered free memory leaves; the default output name follows the job id."""
     settings = svc.settings
     job_id = new_job_id()

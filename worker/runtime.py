@@ -253,6 +253,8 @@ class WorkerRuntime:
             self._run_one(ids[0])
 
     def _run_one(self, job_id: str) -> str:
+        """Claim, then verify, reserve, train, record. Whatever goes wrong ends the job `failed` with
+        a code; nothing leaves it `running` behind a worker that moved on."""
         pinned = self._claim(job_id)
         if pinned is None:
             return "dropped"
@@ -260,7 +262,32 @@ class WorkerRuntime:
         run.fence = JobFence(self, job_id, pinned.attempt, _run_identity(pinned))
         self.run = run
         try:
-            return self._execute(pinned)
+            return self._verify_and_train(pinned)
+        except OwnershipLost:
+            # The one line a stale run logs: it recorded nothing, the current owner records all.
+            log.warning(
+                "job %s: claim %d was superseded by a later claim; this run stopped and recorded nothing",
+                pinned.job_id,
+                pinned.attempt,
+            )
+            return "lost"
+        except STORE_UNREACHABLE:
+            # The store stayed unreachable through the retries: the outcome cannot be recorded
+            # now. Our lease runs out and the reconciler settles the job from what is on disk
+            # (the published adapter, the newest checkpoint) or fails it `worker_lost`.
+            log.exception(
+                "job %s: the job store is unreachable; leaving the job to the reconciler", pinned.job_id
+            )
+            raise
+        except Exception as exc:
+            log.exception("job %s: the worker failed", pinned.job_id)
+            self.recording.finish_failed(
+                pinned.job_id,
+                WORKER_ERROR_REASON,
+                f"worker error: {type(exc).__name__}: {exc}",
+                code=WORKER_ERROR_CODE,
+            )
+            return "failed"
         finally:
             self.run = None
             try:
@@ -318,37 +345,6 @@ class WorkerRuntime:
             and last.kind == states.EVENT_STARTED
             and (last.data or {}).get("worker_id") == self.worker_id
         )
-
-    def _execute(self, pinned: PinnedJob) -> str:
-        """Verify, reserve, train, record. Whatever goes wrong ends the job `failed` with a code;
-        nothing leaves it `running` behind a worker that moved on."""
-        try:
-            return self._verify_and_train(pinned)
-        except OwnershipLost:
-            # The one line a stale run logs: it recorded nothing, the current owner records all.
-            log.warning(
-                "job %s: claim %d was superseded by a later claim; this run stopped and recorded nothing",
-                pinned.job_id,
-                pinned.attempt,
-            )
-            return "lost"
-        except STORE_UNREACHABLE:
-            # The store stayed unreachable through the retries: the outcome cannot be recorded
-            # now. Our lease runs out and the reconciler settles the job from what is on disk
-            # (the published adapter, the newest checkpoint) or fails it `worker_lost`.
-            log.exception(
-                "job %s: the job store is unreachable; leaving the job to the reconciler", pinned.job_id
-            )
-            raise
-        except Exception as exc:
-            log.exception("job %s: the worker failed", pinned.job_id)
-            self.recording.finish_failed(
-                pinned.job_id,
-                WORKER_ERROR_REASON,
-                f"worker error: {type(exc).__name__}: {exc}",
-                code=WORKER_ERROR_CODE,
-            )
-            return "failed"
 
     def _verify_and_train(self, pinned: PinnedJob) -> str:
         try:

@@ -48,8 +48,8 @@ def submit_sft() -> Response:
     svc = services()
     started = time.perf_counter()
     try:
-        with admission_slot(svc):
-            body, _raw = json_body()
+        with admission_slot(svc):  # admission step (1)
+            body, _raw = json_body()  # (2)
             admitted = admit_sft(svc, body, request.headers.get("Idempotency-Key"), caller_scope())
     except KilnError as exc:
         svc.metrics.observe_admission("rejected", exc.code, time.perf_counter() - started)

@@ -15,7 +15,6 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,44 +32,15 @@ from kiln_train.plan.row_plan import per_row_plan
 from kiln_train.train.anomaly import anomaly_scan
 from kiln_train.train.evaluation import Evaluation, EvaluationStopped, best_evaluation, evaluate
 from kiln_train.train.grad_norms import GradNormAccumulator
-from kiln_train.train.guards import DIVERGENCE_MARGIN, DIVERGENCE_RATIO
 from kiln_train.train.identity import auxiliary_state
 from kiln_train.train.invariants import check_config_for_training, verify_rows
+from kiln_train.train.loop_progress import LoopProgress
 from kiln_train.train.loss import sft_loss
 from kiln_train.train.result import StepReport
 from kiln_train.train.resume_state import ResumeState, check_manifest, read_resume_state
 from kiln_train.train.scope import training_scope
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LoopProgress:
-    """Mutable progress of the main phase (what `sft_loop_state.json` serialises)."""
-
-    global_step: int = 0
-    epoch_index: int = 0
-    cursor: int = 0
-    loss_history: list[float] | None = None
-    epoch_loss_sum: float = 0.0
-    epoch_items: int = 0
-    first_epoch_loss: float | None = None
-    best_epoch_loss: float | None = None
-
-    def state(self, grads: GradNormAccumulator) -> ckpt.SftLoopState:
-        history = list(self.loss_history or [])
-        return ckpt.SftLoopState(
-            global_step=self.global_step,
-            epoch_index=self.epoch_index,
-            cursor_in_epoch=self.cursor,
-            loss_history=history,
-            last_loss=history[-1] if history else None,
-            current_epoch_loss_sum=self.epoch_loss_sum,
-            current_epoch_items=self.epoch_items,
-            first_epoch_loss=self.first_epoch_loss,
-            best_epoch_loss=self.best_epoch_loss,
-            lora_grad_norms=dict(grads.stats),
-        )
 
 
 class SftRun:
@@ -310,8 +280,9 @@ class SftRun:
 
     # ----- the loop ------------------------------------------------------------------------
     def run(self, progress, should_stop) -> None:
+        """Every remaining step, each followed by its phases in order: record (the loop state, the
+        epoch's end, the progress report), evaluate, checkpoint, stop."""
         c, lp = self.config, self.loop
-        interval = c.checkpoint_interval
         if self._evaluation_due(lp.global_step) and not self._evaluate(should_stop):
             # Stopped during the baseline (nothing trained yet) or during the evaluation a resume
             # owed at its start (the checkpoint it resumed from stays the resume point).
@@ -324,66 +295,83 @@ class SftRun:
             order = ckpt.epoch_order(c.seed, lp.epoch_index, self.n)
             while lp.cursor < self.n:
                 t0 = time.perf_counter()
-                row = self.ingestion.rows[order[lp.cursor]]
-                loss = self.step(order[lp.cursor])
-                lp.global_step += 1
-                lp.cursor += 1
-                lp.loss_history.append(loss)
-                lp.epoch_loss_sum += loss
-                lp.epoch_items += 1
-                report = StepReport(
-                    global_step=lp.global_step,
-                    total_steps=self.total_steps,
-                    epoch=lp.epoch_index,
-                    cursor=lp.cursor,
-                    loss=loss,
-                    step_ms=(time.perf_counter() - t0) * 1000.0,
-                    tokens=row.seq_len,
-                    supervised_tokens=row.supervised_tokens,
-                    learning_rate=c.learning_rate,
-                    item=order[lp.cursor - 1],
-                    row_index=row.row_index,
-                )
-                epoch_done = lp.cursor == self.n
-                if epoch_done:
-                    self._end_epoch()
-                # The step is recorded before its checkpoint is published, so a checkpoint found
-                # on disk always has its steps recorded (and can be adopted after a crash).
-                if progress is not None:
-                    progress(report)
-                interrupted = False
-                if self._evaluation_due(lp.global_step):
-                    # After the last step a stop is not honoured, so the final evaluation runs whole.
-                    poll = should_stop if lp.global_step < self.total_steps else None
-                    interrupted = not self._evaluate(poll)
-                saved = False
-                if interval and lp.global_step % interval == 0 and lp.global_step < self.total_steps:
-                    self.write_checkpoint()
-                    saved = True
-                if (
-                    should_stop is not None
-                    and lp.global_step < self.total_steps
-                    and (interrupted or should_stop())
-                ):
-                    stopped = (
-                        f"training cancelled by user at global step {lp.global_step} of {self.total_steps}"
-                    )
-                    if not saved:
-                        try:
-                            self.write_checkpoint()
-                        except OSError as exc:
-                            # The stop is still honoured (a full or failing disk must not turn a
-                            # cancel or a warm shutdown into a crash); the run's latest earlier
-                            # checkpoint stays its resume point.
-                            raise TrainingFailure(
-                                "cancelled",
-                                f"{stopped}; the checkpoint at this step could not be written "
-                                f"({type(exc).__name__}: {exc}), so the latest earlier checkpoint, if "
-                                "any, is the resume point",
-                            ) from exc
-                    raise TrainingFailure("cancelled", stopped)
+                item = order[lp.cursor]
+                loss = self.step(item)
+                epoch_done = self._record(item, loss, t0, progress)
+                interrupted = self._evaluate_if_due(should_stop)
+                saved = self._checkpoint_if_due()
+                self._stop_if_asked(should_stop, interrupted=interrupted, saved=saved)
                 if epoch_done:
                     break
+
+    def _record(self, item: int, loss: float, t0: float, progress) -> bool:
+        """Phase 1: count the step, close the epoch at its last row, report progress. The step is
+        recorded before its checkpoint is published, so a checkpoint found on disk always has its
+        steps recorded (and can be adopted after a crash). True when the epoch ended."""
+        c, lp = self.config, self.loop
+        row = self.ingestion.rows[item]
+        lp.global_step += 1
+        lp.cursor += 1
+        lp.loss_history.append(loss)
+        lp.epoch_loss_sum += loss
+        lp.epoch_items += 1
+        report = StepReport(
+            global_step=lp.global_step,
+            total_steps=self.total_steps,
+            epoch=lp.epoch_index,
+            cursor=lp.cursor,
+            loss=loss,
+            step_ms=(time.perf_counter() - t0) * 1000.0,
+            tokens=row.seq_len,
+            supervised_tokens=row.supervised_tokens,
+            learning_rate=c.learning_rate,
+            item=item,
+            row_index=row.row_index,
+        )
+        epoch_done = lp.cursor == self.n
+        if epoch_done:
+            self._end_epoch()
+        if progress is not None:
+            progress(report)
+        return epoch_done
+
+    def _evaluate_if_due(self, should_stop) -> bool:
+        """Phase 2: evaluate the validation rows when due; True when a stop interrupted it. After
+        the last step a stop is not honoured, so the final evaluation runs whole."""
+        if not self._evaluation_due(self.loop.global_step):
+            return False
+        poll = should_stop if self.loop.global_step < self.total_steps else None
+        return not self._evaluate(poll)
+
+    def _checkpoint_if_due(self) -> bool:
+        """Phase 3: the checkpoint every `checkpoint_interval` steps (none after the last step)."""
+        interval, step = self.config.checkpoint_interval, self.loop.global_step
+        if interval and step % interval == 0 and step < self.total_steps:
+            self.write_checkpoint()
+            return True
+        return False
+
+    def _stop_if_asked(self, should_stop, *, interrupted: bool, saved: bool) -> None:
+        """Phase 4: honour a stop (a cancel, a warm shutdown) before the last step: checkpoint this
+        step unless phase 3 just did, then end the run `cancelled`."""
+        step = self.loop.global_step
+        if should_stop is None or step >= self.total_steps or not (interrupted or should_stop()):
+            return
+        stopped = f"training cancelled by user at global step {step} of {self.total_steps}"
+        if not saved:
+            try:
+                self.write_checkpoint()
+            except OSError as exc:
+                # The stop is still honoured (a full or failing disk must not turn a cancel or a
+                # warm shutdown into a crash); the run's latest earlier checkpoint stays its resume
+                # point.
+                raise TrainingFailure(
+                    "cancelled",
+                    f"{stopped}; the checkpoint at this step could not be written "
+                    f"({type(exc).__name__}: {exc}), so the latest earlier checkpoint, if "
+                    "any, is the resume point",
+                ) from exc
+        raise TrainingFailure("cancelled", stopped)
 
     # ----- validation ----------------------------------------------------------------------------
     def _evaluation_due(self, step: int) -> bool:
@@ -431,22 +419,7 @@ class SftRun:
         return {**self.aux, ckpt.VALIDATION_HISTORY_AUX_KEY: [dict(e) for e in self.validation_history]}
 
     def _end_epoch(self) -> None:
-        lp = self.loop
-        avg = lp.epoch_loss_sum / self.n
-        if lp.first_epoch_loss is None:
-            lp.first_epoch_loss = avg
-        elif avg > lp.first_epoch_loss * DIVERGENCE_RATIO and avg - lp.best_epoch_loss > DIVERGENCE_MARGIN:
-            raise TrainingFailure(
-                "training_error",
-                f"divergence guard: epoch {lp.epoch_index + 1} mean loss {avg:.4f} exceeds "
-                f"{DIVERGENCE_RATIO:g}x the first epoch's {lp.first_epoch_loss:.4f} and the best epoch "
-                f"{lp.best_epoch_loss:.4f} by more than {DIVERGENCE_MARGIN:g}",
-            )
-        lp.best_epoch_loss = avg if lp.best_epoch_loss is None else min(lp.best_epoch_loss, avg)
-        lp.epoch_index += 1
-        lp.cursor = 0
-        lp.epoch_loss_sum = 0.0
-        lp.epoch_items = 0
+        self.loop.end_epoch(self.n)
 
     # ----- checkpoints ----------------------------------------------------------------------
     def write_checkpoint(self) -> ckpt.PublishedCheckpoint:

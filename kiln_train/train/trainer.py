@@ -59,16 +59,30 @@ def train_sft(request: TrainRequest) -> TrainResult:
         # admission instead (api.admission adopts the same record).
         request = replace(request, checkpoint_plan=recorded_checkpoint_plan(aux))
     with intra_op_threads(recorded):
-        return _train(request)
+        t0 = time.perf_counter()
+        run, facts = _start(request)
+        try:
+            resume = request.resume_checkpoint
+            run.prepare(
+                Path(resume) if resume is not None else None, may_stop=request.should_stop is not None
+            )
+            facts.config = run.config.to_json()  # a resume adopted the checkpoint's base_adapter
+            run.run(request.progress, request.should_stop)
+            return _publish(request, run, facts, t0)
+        except OwnershipLost:
+            raise  # the job is another attempt's now: this run records nothing
+        except Exception as exc:  # every failure ends in a receipt; nothing half-published remains
+            return _fail(request, run, facts, t0, exc)
+        finally:
+            release_lora(request.resident.model)
 
 
-def _train(request: TrainRequest) -> TrainResult:
-    t0 = time.perf_counter()
+def _start(request: TrainRequest) -> tuple[SftRun, RunFacts]:
+    """The run and the receipt's facts, before anything is written (a bad name cannot even
+    place a failed receipt safely, and an unresolved config has no learning rate or seed to record)."""
     resident, config = request.resident, request.config
     run_id = request.run_id or new_run_id()
     name = request.adapter_name or config.output_name or f"sft-{run_id[:8]}"
-    # Caller errors, raised before anything is written: a bad name cannot even place a failed
-    # receipt safely, and an unresolved config has no learning rate or seed to record.
     check_adapter_name(name)
     if config.seed is None or config.learning_rate is None:
         raise invalid_request(
@@ -95,22 +109,11 @@ def _train(request: TrainRequest) -> TrainResult:
         validation=request.validation,
         on_evaluation=request.on_evaluation,
     )
-    try:
-        return _succeed(request, run, facts, t0)
-    except OwnershipLost:
-        raise  # the job is another attempt's now: this run records nothing
-    except Exception as exc:  # every failure ends in a receipt; nothing half-published remains
-        return _fail(request, run, facts, t0, exc)
-    finally:
-        release_lora(resident.model)
+    return run, facts
 
 
-def _succeed(request: TrainRequest, run: SftRun, facts: RunFacts, t0: float) -> TrainResult:
-    """Prepare, train, smoke-test if asked, and publish the adapter with its receipt."""
-    resume = request.resume_checkpoint
-    run.prepare(Path(resume) if resume is not None else None, may_stop=request.should_stop is not None)
-    facts.config = run.config.to_json()  # a resume adopted the checkpoint's base_adapter
-    run.run(request.progress, request.should_stop)
+def _publish(request: TrainRequest, run: SftRun, facts: RunFacts, t0: float) -> TrainResult:
+    """After the last step: smoke-test if asked, and publish the adapter with its receipt."""
     tensors = {k: v.detach().cpu().contiguous() for k, v in run.lora.state_dict().items()}
     config, resident = request.config, request.resident
     smoke = None

@@ -245,3 +245,32 @@ def test_the_form_defaults_list_every_registered_optimizer(client):
     assert body["optimizers"]["lion"] == {"kind": "lion", "beta": 0.9}
     assert body["optimizer_fields"]["lion"] == [{"name": "beta", "type": "number"}]
     assert body["learning_rate"]["lion"] == 3e-4
+
+
+def test_a_registered_optimizers_ranges_and_rank_rule_reach_the_openapi_constraints():
+    from api.openapi_constraints import request_constraints, sft_config_rules
+
+    lion = OptimizerKind(
+        kind="lion",
+        title="Lion",
+        config=_LionConfig,
+        update="",
+        default_learning_rate=3e-4,
+        minimum_rank=4,
+        schema_constraints={"beta": {"type": "number", "minimum": 0, "exclusiveMaximum": 1}},
+    )
+    assert "_LionConfig" not in request_constraints()
+    register(lion)
+    try:
+        constraints, rules = request_constraints(), sft_config_rules()["allOf"]
+    finally:
+        unregister("lion")
+    assert constraints["_LionConfig"] == {"beta": {"type": "number", "minimum": 0, "exclusiveMaximum": 1}}
+    assert constraints["MuonConfig"]["ns_iters"] == {"type": "integer", "minimum": 1, "maximum": 20}
+    # muon is the default kind (an omitted optimizer means it); lion must be named.
+    assert rules[-2]["if"]["anyOf"][0] == {"not": {"required": ["optimizer"]}}
+    assert rules[-1] == {
+        "if": {"anyOf": [{"properties": {"optimizer": {"properties": {"kind": {"const": "lion"}}}}}]},
+        "then": {"properties": {"lora_rank": {"minimum": 4}}},
+    }
+    assert len(sft_config_rules()["allOf"]) == len(rules) - 1

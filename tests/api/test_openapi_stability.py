@@ -1,0 +1,46 @@
+"""The OpenAPI document is the one pinned in `fixtures/openapi_v1.json`, byte for byte: a
+reorganisation of the code must not change the contract it publishes. A deliberate contract change
+(a request field, a route, an optimizer kind) regenerates the fixture and says so in its commit:
+
+    KILN_REGENERATE_OPENAPI=1 .venv/bin/python -m pytest tests/api/test_openapi_stability.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from api.routes.openapi import _document_text
+
+FIXTURE = Path(__file__).parent / "fixtures" / "openapi_v1.json"
+REGENERATE = "KILN_REGENERATE_OPENAPI=1 .venv/bin/python -m pytest tests/api/test_openapi_stability.py"
+
+
+def _without_security(value):
+    if isinstance(value, dict):
+        return {k: _without_security(v) for k, v in value.items() if k != "security"}
+    if isinstance(value, list):
+        return [_without_security(v) for v in value]
+    return value
+
+
+def test_the_document_with_tokens_is_the_pinned_one_byte_for_byte():
+    text = _document_text(True) + "\n"
+    if os.environ.get("KILN_REGENERATE_OPENAPI") == "1":
+        FIXTURE.write_text(text, encoding="utf-8")
+    assert text == FIXTURE.read_text(encoding="utf-8"), (
+        f"the OpenAPI document changed; if intended: {REGENERATE}"
+    )
+
+
+def test_without_tokens_only_the_security_requirements_go():
+    with_tokens, without = json.loads(_document_text(True)), json.loads(_document_text(False))
+    assert "security" not in json.dumps(without["paths"])
+    assert without == _without_security(with_tokens)
+
+
+def test_the_server_serves_exactly_that_text(client):
+    response = client.get("/openapi.json")
+    assert response.status_code == 200 and response.mimetype == "application/json"
+    assert response.get_data(as_text=True) in (_document_text(True), _document_text(False))
