@@ -18,7 +18,8 @@ step, so the measured peak is the forward's with the LoRA set and optimizer stat
 
 The estimate is priced with `weights_resident=True` (the budget is measured with the model
 loaded), so `estimate.total` is compared with the step's own working set. The contract for the
-estimate: never below the actual peak; at most 1.5x above it for T >= 1024.
+estimate: never below the actual peak; at most 1.3x above it for training rows (kt_tape_flce) of
+T >= 2048 (docs/performance.md#estimate).
 
     .venv/bin/python qualification/memory_honesty.py            # the full CPU table
     .venv/bin/python qualification/memory_honesty.py --quick    # a few cases
@@ -316,11 +317,15 @@ def run_table(model_dir: str, device_name: str, cases: list[Case]) -> list[dict]
 
 def summarize(rows: list[dict]) -> str:
     worst_under = min(r["ratio"] for r in rows)
-    long_rows = [r for r in rows if r["seq_len"] >= 1024]
+    long_rows = [
+        r
+        for r in rows
+        if r["seq_len"] >= 2048 and r.get("route") == "kt_tape_flce" and r.get("phase", "train") == "train"
+    ]
     worst_over = max((r["ratio"] for r in long_rows), default=float("nan"))
     return (
         f"lowest estimate/actual (must be >= 1): {worst_under:.2f}; "
-        f"highest estimate/actual for T >= 1024 (target <= 1.5): {worst_over:.2f}"
+        f"highest estimate/actual for kt_tape_flce training, T >= 2048 (target <= 1.3): {worst_over:.2f}"
     )
 
 

@@ -77,6 +77,12 @@ def _apply(y: torch.Tensor, linear: FrozenLinear) -> torch.Tensor:
     return out
 
 
+def _detached(inputs) -> list:
+    """The inputs as plain tensors for a forward without a graph (module hooks that track
+    gradients, e.g. FlopCounterMode's, then see no tensor that requires one)."""
+    return [t.detach() if t is not None else None for t in inputs]
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
@@ -89,7 +95,7 @@ class _Project(torch.autograd.Function):
         ctx.save_for_backward(*inputs)
         if replay is not None:
             return tuple(t.detach() for t in replay)
-        y = prologue(*inputs)
+        y = prologue(*_detached(inputs))
         return tuple(_apply(y, linear) for linear in linears)
 
     @staticmethod
@@ -157,7 +163,7 @@ class _Recompute(torch.autograd.Function):
     def forward(ctx, fn, n_inputs, *inputs):
         ctx.fn = fn
         ctx.save_for_backward(*inputs)
-        outputs = fn(*inputs)
+        outputs = fn(*_detached(inputs))
         return outputs if isinstance(outputs, tuple) else (outputs,)
 
     @staticmethod

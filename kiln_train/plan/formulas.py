@@ -10,7 +10,7 @@ from __future__ import annotations
 from kiln_train.errors import invalid_request
 from kiln_train.ground.backend import FULL_LOGITS, KT_TAPE_FLCE
 from kiln_train.ground.layer_segments import segment_layer_ranges
-from kiln_train.model.config import FULL_ATTENTION, Qwen35Config
+from kiln_train.model.config import FULL_ATTENTION, LINEAR_ATTENTION, Qwen35Config
 
 MIB = 1 << 20
 F32 = 4
@@ -39,44 +39,36 @@ def vocab_chunk_size(vocab_size: int, active_rows: int) -> int:
 # i = intermediate, r = LoRA rank, e = activation element bytes (cpu 4, cuda 2), F = 4 (the f32
 # compute dtype of norms, the delta rule and the loss), V = vocabulary.
 #
-# Per-layer saved activations are what torch autograd keeps for backward in `kiln_train.model`
-# (counted with saved-tensor hooks while writing these formulas; `qualification/memory_honesty.py`
-# checks whole steps). Per token:
+# Saved per layer (docs/performance.md#saved-activations): each projection group keeps only its
+# input and each weight-free core only its inputs (`kiln_train.model.recompute`), which is the
+# derived minimum `minimum_saved_bytes_per_token` per token. A GDN layer longer than one rebuild
+# block (`RECOMPUTE_BLOCK`) also keeps, per extra block, the f32 recurrent state and the conv tail
+# entering it.
 #
-# both layer kinds
-#   2·F·h      the two block RMSNorms save their f32 input
-#   2·e·h      the normed inputs, saved once each by the LoRA branches (x for dA) of the projections
-#   4·e·i      SwiGLU: gate output (silu input), silu output, up output, their product (down's input)
-#   e·r        one [T, r] LoRA intermediate (x·Aᵀ, kept for dB) per trained projection
-# gated full attention (qd = heads·head_dim, kvd = kv_heads·head_dim)
-#   4·qd (+4·qd when e = 4)   q RMSNorm saves the f32 query (for f32 it is a view of the whole
-#                             q_proj output [q | gate], twice as wide)
-#   F·kvd      k RMSNorm saves the f32 key
-#   4·e·qd     SDPA keeps q, the repeated k and v, and its output
-#   3·e·qd     the re-laid-out output, sigmoid(gate), and their product (o_proj's input)
-#   4·(2·heads + kv_heads + 2)  per-row f32 reductions (norm rsqrt, attention log-sum-exp)
-# gated DeltaNet (kd = k_heads·dk, vd = v_heads·dv, conv = 2·kd + vd, nv = v_heads, c = 64)
-#   e·conv     the conv output kept by SiLU
-#   F·conv     q, k, v in f32 (views of the SiLU output on cpu, upcast copies on cuda)
-#   the chunked delta rule, all f32, over T rounded up to a multiple of c:
-#     6·nv·c   decay Γ, K·Kᵀ, A, Q·Kᵀ, (Q·Kᵀ)⊙Γ and one batched-matmul copy
-#     10·nv·dk repeated q and k, k·β, q·e^γ, k·e^(γ_C−γ), matmul re-layouts, the W half of the solve
-#     4·nv·dv  the U half of the solve, the per-chunk corrected values, their stack, one re-layout
-#     2·nv·dk·dv/c   the state entering every chunk, kept by the scan and stacked for the output
-#   (12 + e)·vd  gated output norm: f32 output, f32 gate, silu(gate), the weighted norm
-#   e·vd       out_proj's input
-#   32·nv      per-head gates, betas and reductions
-# plus, per layer and independent of T, the f32 upcast conv kernel, two causal masks and f32 norm
-# weights.
+# Transient per layer (`layer_transient_bytes`): while a layer runs backward it rebuilds one part at
+# a time and that part's gradients coexist with it; the largest part bounds the layer:
+#   GDN core, per token of one block (at most RECOMPUTE_BLOCK tokens): the rebuilt conv output
+#     (e·conv) and its f32 q/k/v (F·conv); the chunked delta rule, all f32 over the block rounded
+#     up to a multiple of c = 64: 6·nv·c (decay Γ, K·Kᵀ, A, Q·Kᵀ, their product, one matmul copy),
+#     10·nv·dk (repeated, scaled and decayed q/k, re-layouts, the W half of the solve),
+#     4·nv·dv (U, the corrected values, their stack, one re-layout), 2·nv·dk·dv/c (the state
+#     entering every chunk, stacked); gates 32·nv; the incoming (e·vd) and outgoing (e·conv)
+#     gradients. Backward frees the rebuilt tensors as the gradients it forms replace them.
+#   attention core, per token (never blocked): the f32 q/k norms (2·F·(qd + kvd)), RoPE and the
+#     repeated k/v (6·e·qd), the SDPA output and log-sum-exp (e·qd + F·heads), and the
+#     gradients of q, k, v before and after the repeat (6·e·qd).
+#   SwiGLU's down group: silu(gate), the product, its gradient, the gate and up gradients (5·e·i),
+#     plus the incoming gradient (e·h).
+#   a norm group: the incoming projection gradients (at most 2·e·i, gate and up), the recomputed
+#     norm with its f32 internals and the summed input gradient ((3·F + 3·e)·h).
+#   GDN's output group: the recomputed gated norm in f32 (12·vd + e·vd) and its two gradients.
+# plus GRADIENT_FLOW_STATES [T, h] gradients flowing along the residual stream.
 #
 # The activation dtype is f32 on cpu and bf16 on cuda; GDN on cuda uses flash-linear-attention
-# when importable, which keeps far less than the torch chunked form charged here (an upper bound).
+# when importable, which rebuilds far less than the torch chunked form charged here (an upper bound).
 
 GDN_CHUNK = 64  # kiln_train.model.delta_rule.CHUNK_SIZE (this module must not import torch)
-# While a layer runs backward, the gradients it creates mostly replace saved tensors that its
-# finished nodes have freed (measured: the tensor peak stays within the saved set); charged: 1/8 of
-# the largest layer plus four [T, h] gradients flowing along the residual stream.
-BACKWARD_WORKSPACE_DIVISOR = 8
+RECOMPUTE_BLOCK = 4096  # kiln_train.model.gdn.RECOMPUTE_BLOCK
 GRADIENT_FLOW_STATES = 4
 
 
@@ -84,39 +76,18 @@ def _ceil_to(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _common_layer_bytes(config: Qwen35Config, t: int, r: int, e: int) -> int:
-    h, i = config.hidden_size, config.intermediate_size
-    return t * (2 * F32 * h + 2 * e * h + 4 * e * i) + 4 * F32 * h
-
-
 def attention_layer_bytes(config: Qwen35Config, t: int, r: int, e: int) -> int:
     """Saved activations of one gated full-attention layer for a `t`-token row."""
-    qd = config.num_attention_heads * config.head_dim
-    kvd = config.num_key_value_heads * config.head_dim
-    per_token = (
-        4 * qd
-        + (4 * qd if e == F32 else 0)
-        + F32 * kvd
-        + 4 * e * qd
-        + 3 * e * qd
-        + 7 * e * r
-        + F32 * (2 * config.num_attention_heads + config.num_key_value_heads + 2)
-    )
-    return _common_layer_bytes(config, t, r, e) + t * per_token
+    return t * minimum_saved_bytes_per_token(config, FULL_ATTENTION, e)
 
 
 def gdn_layer_bytes(config: Qwen35Config, t: int, r: int, e: int) -> int:
-    """Saved activations of one Gated DeltaNet layer for a `t`-token row (torch chunked form)."""
-    nv, nk = config.linear_num_value_heads, config.linear_num_key_heads
-    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
-    vd, conv, c = config.linear_value_dim, config.linear_conv_dim, GDN_CHUNK
-    padded = _ceil_to(t, c)
-    delta_rule = F32 * (6 * nv * c + 10 * nv * dk + 4 * nv * dv) * padded + F32 * 2 * nv * dk * dv * (
-        padded // c
-    )
-    per_token = e * conv + F32 * conv + (12 + e) * vd + e * vd + 6 * e * r + 32 * nv + 8 * nk
-    constant = F32 * conv * config.linear_conv_kernel_dim + 2 * c * c + F32 * (dv + 4 * dk)
-    return _common_layer_bytes(config, t, r, e) + t * per_token + delta_rule + constant
+    """Saved activations of one Gated DeltaNet layer for a `t`-token row: the minimum, plus the
+    state and conv tail entering every rebuild block after the first."""
+    carried = -(-t // RECOMPUTE_BLOCK) - 1
+    state = F32 * config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+    tail = e * config.linear_conv_dim * (config.linear_conv_kernel_dim - 1)
+    return t * minimum_saved_bytes_per_token(config, LINEAR_ATTENTION, e) + carried * (state + tail)
 
 
 def layer_activation_bytes(config: Qwen35Config, t: int, r: int, e: int) -> list[int]:
@@ -125,6 +96,66 @@ def layer_activation_bytes(config: Qwen35Config, t: int, r: int, e: int) -> list
         attention_layer_bytes(config, t, r, e) if kind == FULL_ATTENTION else gdn_layer_bytes(config, t, r, e)
         for kind in config.layer_types
     ]
+
+
+def _gdn_core_transient(config: Qwen35Config, t: int, e: int) -> int:
+    nv, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    conv, c = config.linear_conv_dim, GDN_CHUNK
+    padded = _ceil_to(min(t, RECOMPUTE_BLOCK), c)
+    rebuilt = (
+        (e + F32) * conv * padded
+        + F32 * (6 * nv * c + 10 * nv * dk + 4 * nv * dv + 8 * nv) * padded
+        + F32 * 2 * nv * dk * dv * (padded // c)
+    )
+    flowing = (e * config.linear_value_dim + e * conv) * padded
+    constant = F32 * conv * config.linear_conv_kernel_dim + 2 * c * c + F32 * (dv + 4 * dk)
+    return rebuilt + flowing + constant
+
+
+def _group_transient(config: Qwen35Config, t: int, r: int, e: int, layer_type: str) -> int:
+    """The largest projection group's backward in one layer (its saved inputs are counted apart)."""
+    h, i = config.hidden_size, config.intermediate_size
+    per_token = max(5 * e * i + e * h, 2 * e * i + (3 * F32 + 3 * e) * h + 4 * e * r)
+    if layer_type == LINEAR_ATTENTION:
+        per_token = max(per_token, (12 + 3 * e) * config.linear_value_dim + e * h)
+    return t * per_token
+
+
+def _core_phase(config: Qwen35Config, t: int, e: int, layer_type: str) -> tuple[int, int]:
+    """(what the layer still holds of its own saved set, the rebuilt core with its gradients) when
+    its token mixer is rebuilt in backward: its MLP and output group have already run backward."""
+    h = config.hidden_size
+    if layer_type == FULL_ATTENTION:
+        qd = config.num_attention_heads * config.head_dim
+        kvd = config.num_key_value_heads * config.head_dim
+        held = t * e * (h + 2 * qd + 2 * kvd)
+        return held, t * (2 * F32 * (qd + kvd) + 13 * e * qd + F32 * config.num_attention_heads)
+    held = t * e * (h + config.linear_conv_dim + 2 * config.linear_num_value_heads + config.linear_value_dim)
+    return held, _gdn_core_transient(config, t, e)
+
+
+def layer_transient_bytes(config: Qwen35Config, t: int, r: int, e: int, layer_type: str | None = None) -> int:
+    """The largest part one layer of `layer_type` (default: either kind) computes at once: a
+    projection group's backward or its rebuilt core (see the notation above). It also bounds what
+    one layer holds at once in a forward without autograd."""
+    kinds = set(config.layer_types) if layer_type is None else {layer_type}
+    return max(max(_group_transient(config, t, r, e, k), _core_phase(config, t, e, k)[1]) for k in kinds)
+
+
+def backward_peak_bytes(config: Qwen35Config, t: int, r: int, e: int, start: int, stop: int) -> int:
+    """The activations live while layers [start, stop) run backward, plus `GRADIENT_FLOW_STATES`
+    [T, h] gradients. Layer n runs backward while the layers before it still hold their saved
+    activations and those after it have freed theirs: first its projection groups (its whole saved
+    set held), then its rebuilt core (only the core's and the input group's inputs held)."""
+    per_layer = layer_activation_bytes(config, t, r, e)
+    kinds = config.layer_types
+    peak = 0
+    for n in range(start, stop):
+        before = sum(per_layer[start:n])
+        held, core = _core_phase(config, t, e, kinds[n])
+        groups = per_layer[n] + _group_transient(config, t, r, e, kinds[n])
+        peak = max(peak, before + max(groups, held + core))
+    return peak + GRADIENT_FLOW_STATES * t * config.hidden_size * e
 
 
 def checkpoint_boundary_policy() -> dict:
@@ -143,32 +174,39 @@ def checkpoint_boundary_policy() -> dict:
     }
 
 
-def segment_activation_bytes(config: Qwen35Config, t: int, r: int, e: int, num_segments: int) -> int:
-    """Activations live while the heaviest segment runs backward (all layers with one segment).
+def segment_activation_bytes(
+    config: Qwen35Config, t: int, r: int, e: int, num_segments: int, loss_bytes: int = 0
+) -> int:
+    """Activations charged beside the loss workspace (`loss_bytes`) at the step's peak.
 
-    The segment's saved activations (recomputed under checkpointing) plus the backward allowance:
-    1/`BACKWARD_WORKSPACE_DIVISOR` of its largest layer and `GRADIENT_FLOW_STATES` [T, h] gradients.
+    Two phases peak: the loss runs on top of the last segment's saved activations (never
+    recomputed; with one segment, every layer's), and later each segment runs backward with its
+    saved activations (rebuilt, but for the last) and what its layers rebuild
+    (`backward_peak_bytes`). The working set adds `loss_bytes` to this, so the result is
+    max(last segment, the worst segment's backward peak − loss).
     """
     per_layer = layer_activation_bytes(config, t, r, e)
-    heaviest = max(
-        sum(per_layer[start:stop])
-        for start, stop in segment_layer_ranges(config.num_hidden_layers, num_segments)
-    )
-    allowance = (
-        max(per_layer) // BACKWARD_WORKSPACE_DIVISOR + GRADIENT_FLOW_STATES * t * config.hidden_size * e
-    )
-    return heaviest + allowance
+    ranges = segment_layer_ranges(config.num_hidden_layers, num_segments)
+    last = sum(per_layer[ranges[-1][0] : ranges[-1][1]])
+    backward = max(backward_peak_bytes(config, t, r, e, start, stop) for start, stop in ranges)
+    return max(last, backward - loss_bytes)
 
 
 def boundary_bytes(config: Qwen35Config, t: int, e: int, num_segments: int) -> int:
     """Hidden states retained across the whole step.
 
-    (s+1)·T·h·e: the input of every checkpointed segment plus the trunk output (with one segment:
-    the embedding output and the trunk output); the final RMSNorm's f32 input and its output
-    (the hidden states the loss reads); the rope tables.
+    (s+1)·T·h·e: the input of every segment plus the trunk output (with one segment: the
+    embedding output and the trunk output); the final RMSNorm's f32 input and its output (the
+    hidden states the loss reads); the rope tables; and with s > 1 the outputs a checkpointed
+    segment keeps instead of recomputing (`kiln_train.model.checkpointing`): two [T, h] per layer
+    (the mixer's and the MLP's output projections) of every segment but the last.
     """
     h = config.hidden_size
-    return t * ((num_segments + 1) * h * e + F32 * h + h * e + 2 * config.rotary_dim * e)
+    ranges = segment_layer_ranges(config.num_hidden_layers, num_segments)
+    kept_layers = sum(stop - start for start, stop in ranges[:-1]) if num_segments > 1 else 0
+    return t * (
+        (num_segments + 1) * h * e + F32 * h + h * e + 2 * config.rotary_dim * e + 2 * kept_layers * h * e
+    )
 
 
 def loss_workspace_bytes(config: Qwen35Config, route: str, t: int, a: int, e: int) -> int:
@@ -224,9 +262,13 @@ def validation_score_block(vocab_size: int, active_rows: int) -> tuple[int, int]
 
 def forward_activation_bytes(config: Qwen35Config, t: int, r: int, e: int) -> int:
     """Activations live while one layer runs forward without autograd: nothing is kept from layer
-    to layer, so the bound is the heaviest layer's tensors (what training saves of it bounds what
-    it creates and holds at once) plus its [T, h] input and output."""
-    return max(layer_activation_bytes(config, t, r, e)) + 2 * t * config.hidden_size * e
+    to layer, so the bound is the heaviest layer's group inputs (what training saves of it), the
+    largest part it computes at once (`layer_transient_bytes`) and its [T, h] input and output."""
+    return (
+        max(layer_activation_bytes(config, t, r, e))
+        + layer_transient_bytes(config, t, r, e)
+        + 2 * t * config.hidden_size * e
+    )
 
 
 def forward_boundary_bytes(config: Qwen35Config, t: int, e: int) -> int:

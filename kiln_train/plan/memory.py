@@ -90,18 +90,16 @@ class Breakdown:
     def working_set(self) -> int:
         """The step's peak before the safety margin.
 
-        With one segment the loss runs on top of every saved activation, so both count. With
-        more, the loss's forward and backward finish (its saved state freed) before the first
-        segment is recomputed, so only the larger of the two phases counts.
+        The loss runs on top of the saved activations of the last segment (which is never
+        recomputed; with one segment, of every layer); each segment's backward runs later, after
+        the loss has freed its workspace. `per_segment_activations` is priced beside the loss
+        (`formulas.segment_activation_bytes`), so the sum is the larger of the two phases.
         """
-        if self.num_segments == 1:
-            phases = self.per_segment_activations + self.loss_workspace
-        else:
-            phases = max(self.per_segment_activations, self.loss_workspace)
         return saturate(
             self.base_weights
             + self.boundary_states
-            + phases
+            + self.per_segment_activations
+            + self.loss_workspace
             + self.lora_param_grad
             + self.lora_optimizer_state
             + self.residency_scratch
@@ -187,9 +185,9 @@ def estimate(
     weights = (
         0 if weights_resident else config.base_parameter_count() * _dtype_bytes(backend.base_weight_dtype)
     )
-    activations = saturate(segment_activation_bytes(config, t, r, e, s))
     boundaries = saturate(boundary_bytes(config, t, e, s))
     loss = saturate(loss_workspace_bytes(config, loss_route, t, a, e))
+    activations = saturate(segment_activation_bytes(config, t, r, e, s, loss))
     # The trainable leaves and their .grad, in the LoRA dtype.
     param_grad = saturate(2 * lora_elements * lora_e)
     # AdamW m and v, Muon momentum, SGD nothing; resident in the optimizer-state dtype.
