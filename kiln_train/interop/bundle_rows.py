@@ -1,8 +1,11 @@
 """`train.jsonl` of an export bundle: Kiln's admitted rows in its step order (docs/interop.md#export).
 
 A line holds the step (1-based), its epoch and position, the row's index in the source and its
-`kiln.sft-parsed-row.v1` hash, the parsed row itself, the messages and tools as Kiln hands them to
-the template, and Kiln's token ids and supervised token ranges for the row.
+`kiln.sft-parsed-row.v1` hash, the row itself (parsed for `messages`, as given for
+an `instruction` row), the messages and tools as Kiln hands them to the template (an instruction
+row converted), and Kiln's token ids and supervised token ranges for the row. Prompt/completion
+rows and rows cut by `truncation: "right"` are refused (`hf_export_unsupported`): the runner's
+labels are the template's assistant mask over whole conversations.
 """
 
 from __future__ import annotations
@@ -11,12 +14,18 @@ import json
 from pathlib import Path
 
 from kiln_train.checkpoint.epoch_order import epoch_order
-from kiln_train.data.conversation import RowRejection, decode_json, parse_example, prepare_for_template
+from kiln_train.data.conversation import RowRejection, decode_json, parse_example
 from kiln_train.data.ingestion import IngestionResult
 from kiln_train.data.ingestion_sources import jsonl_lines
 from kiln_train.data.labels import IGNORE_INDEX
+from kiln_train.data.row_formats import INSTRUCTION, MESSAGES, convert_messages, convert_row, detect_format
 from kiln_train.data.row_identity import parsed_row_sha256
 from kiln_train.data.row_identity import serde_canonical_json as row_canonical_json
+from kiln_train.interop.errors import HF_EXPORT_UNSUPPORTED, InteropError
+
+# Formats whose labels are the template's assistant mask over the converted messages (what the
+# pinned runner computes with transformers); prompt/completion rows supervise less than that.
+EXPORTABLE_FORMATS = (MESSAGES, INSTRUCTION)
 
 
 def jsonl_objects(path: Path) -> dict[int, object]:
@@ -45,15 +54,28 @@ def label_ranges(labels: list[int]) -> list[list[int]]:
 
 
 def _row_record(row, source_obj) -> dict:
-    """What train.jsonl says about one kept row (the step fields are added per step)."""
-    parsed = parse_example(source_obj)
-    canonical = row_canonical_json(parsed)
-    if parsed_row_sha256(parsed) != row.row_sha256:
-        raise RuntimeError(f"row {row.row_index}: the source row no longer hashes to {row.row_sha256}")
+    """What train.jsonl says about one kept row (the step fields are added per step): the row as
+    given, and the messages its format converts to (row_formats), which the runner renders."""
     try:
-        conversation = prepare_for_template(parsed, canonical)
+        fmt = detect_format(source_obj)
+        if fmt == MESSAGES:
+            parsed = parse_example(source_obj)
+            canonical = row_canonical_json(parsed)
+            converted = convert_messages(parsed, canonical, None, parsed_row_sha256(parsed))
+        else:
+            parsed, converted = source_obj, convert_row(source_obj, fmt)
     except RowRejection as exc:  # ingestion kept it, so this is not reachable with the same code
         raise RuntimeError(f"row {row.row_index}: {exc}") from None
+    if converted.row_sha256 != row.row_sha256:
+        raise RuntimeError(f"row {row.row_index}: the source row no longer hashes to {row.row_sha256}")
+    if fmt not in EXPORTABLE_FORMATS:
+        raise InteropError(
+            HF_EXPORT_UNSUPPORTED,
+            f"SFT row {row.row_index} is a {fmt} row: the pinned TRL runner labels every assistant turn "
+            f"of a conversation, so it cannot reproduce this row's labels; export bundles carry "
+            f"{' and '.join(EXPORTABLE_FORMATS)} rows",
+        )
+    conversation = converted.conversation
     return {
         "row_index": row.row_index,
         "row_sha256": row.row_sha256,
@@ -74,6 +96,13 @@ def step_orders(seed: int, epochs: int, n: int) -> list[list[int]]:
 
 def train_lines(ingestion: IngestionResult, sources: dict[int, object], orders: list[list[int]]) -> bytes:
     """`train.jsonl`: one line per optimizer step, the steps of every epoch in `orders`."""
+    truncated = (ingestion.receipt.get("row_counts") or {}).get("rows_truncated", 0)
+    if truncated:
+        raise InteropError(
+            HF_EXPORT_UNSUPPORTED,
+            f'{truncated} row(s) were cut by truncation "right": the pinned TRL runner trains whole '
+            "conversations; export without truncation (or with rows under max_length)",
+        )
     records = [_row_record(row, sources[row.row_index]) for row in ingestion.rows]
     out = []
     step = 0

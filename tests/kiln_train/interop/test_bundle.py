@@ -285,3 +285,52 @@ def test_staging_is_removed_when_a_build_fails(tmp_path):
     with pytest.raises(RuntimeError):
         bundle_mod.publish_bundle(tmp_path, "x", build)
     assert list(tmp_path.iterdir()) == []
+
+
+ALPACA = {"instruction": "Which color is listed?", "input": "red, blue", "output": "Red and blue."}
+
+
+def test_instruction_rows_are_exported_converted_with_their_own_identity(resident, tmp_path):
+    rows = [*conversations(2), ALPACA]
+    result = _export(resident, tmp_path, rows=rows)
+    ingestion = ingest(resident, rows)
+    lines = [json.loads(line) for line in (result.path / "train.jsonl").read_text().splitlines()]
+    alpaca = next(line for line in lines if line["row_index"] == 3)
+    assert alpaca["row"] == ALPACA  # the row as given, which its hash covers
+    assert alpaca["row_sha256"] == ingestion.rows[2].row_sha256
+    assert alpaca["messages"] == [
+        {"role": "user", "content": "Which color is listed?\nred, blue"},
+        {"role": "assistant", "content": "Red and blue."},
+    ]
+    assert alpaca["input_ids"] == ingestion.rows[2].input_ids
+    verify_bundle(result.path)
+
+
+@pytest.mark.parametrize(
+    ("row", "fragment"),
+    [
+        (
+            {
+                "prompt": [{"role": "user", "content": "Colour?"}],
+                "completion": [{"role": "assistant", "content": "Red."}],
+            },
+            "SFT row 3 is a prompt_completion row",
+        ),
+        ({"prompt": "The colour is", "completion": " red."}, "SFT row 3 is a text_prompt_completion row"),
+    ],
+)
+def test_prompt_completion_rows_are_refused_and_nothing_is_written(resident, tmp_path, row, fragment):
+    with pytest.raises(KilnError) as err:
+        _export(resident, tmp_path, rows=[*conversations(2), row])
+    assert err.value.code == "hf_export_unsupported" and http_status(err.value) == 400
+    assert fragment in err.value.message and "messages and instruction rows" in err.value.message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_rows_cut_by_right_truncation_are_refused(resident, tmp_path):
+    rows = conversations(2)
+    longest = max(r.seq_len for r in ingest(resident, rows).rows)
+    with pytest.raises(KilnError) as err:
+        _export(resident, tmp_path, rows=rows, config=_config(max_length=longest - 1, truncation="right"))
+    assert err.value.code == "hf_export_unsupported" and 'cut by truncation "right"' in err.value.message
+    assert list(tmp_path.iterdir()) == []

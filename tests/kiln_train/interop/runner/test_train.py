@@ -110,3 +110,31 @@ def test_a_non_finite_loss_stops_the_run_without_an_adapter(exported, tiny_dir, 
     result = read_json(tmp_path / "out" / "kiln_hf_result.json")
     assert result["status"] == "failed" and result["exit_status"] == 6
     assert not (tmp_path / "out" / "adapter_model.safetensors").exists()
+
+
+def test_a_bundle_of_instruction_rows_trains_in_trl_with_kilns_labels(resident, tiny_dir, tmp_path):
+    """The runner re-renders each converted row with transformers and refuses (exit 5) unless the
+    ids and the assistant mask are Kiln's, then TRL trains it."""
+    rows = [
+        {"instruction": "Which color is listed?", "input": "red", "output": "Red."},
+        {
+            "system": "Be brief.",
+            "history": [["Hi", "Hello"]],
+            "instruction": "Name a color.",
+            "output": "Blue.",
+        },
+    ]
+    bundle = export_sft(
+        tmp_path / "exports",
+        name="alpaca",
+        resident=ResidentFacts.of_resident(resident),
+        tokenizer=resident.tokenizer,
+        config=parse_sft_config(
+            {"epochs": 1, "lora_rank": 2, "lora_alpha": 4.0, "optimizer": {"kind": "sgd"}}
+        ).resolve(seed=5),
+        examples=rows,
+    ).path
+    proc = run_train_py(bundle, tiny_dir, tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = read_json(tmp_path / "out" / "kiln_hf_result.json")
+    assert result["status"] == "success" and result["run"]["steps"] == 2
