@@ -2,10 +2,13 @@
 
 A line holds the step (1-based), its epoch and position, the row's index in the source and its
 `kiln.sft-parsed-row.v1` hash, the row itself (parsed for `messages`, as given for
-an `instruction` row), the messages and tools as Kiln hands them to the template (an instruction
-row converted), and Kiln's token ids and supervised token ranges for the row. Prompt/completion
-rows and rows cut by `truncation: "right"` are refused (`hf_export_unsupported`): the runner's
-labels are the template's assistant mask over whole conversations.
+another format), the messages and tools as Kiln hands them to the template (a converted row's
+conversation), and Kiln's token ids and supervised token ranges for the row. What the runner needs
+to re-derive the labels of the other formats rides along: `context_messages` (a conversational
+prompt/completion row: how many leading messages are the prompt, whose tokens are context),
+`text` and `completion_start` (a plain prompt/completion row: the raw text and the character
+where supervision starts; `messages` is null), and `max_length` (every row, when the run cuts
+rows with `truncation: "right"`).
 """
 
 from __future__ import annotations
@@ -18,14 +21,16 @@ from kiln_train.data.conversation import RowRejection, decode_json, parse_exampl
 from kiln_train.data.ingestion import IngestionResult
 from kiln_train.data.ingestion_sources import jsonl_lines
 from kiln_train.data.labels import IGNORE_INDEX
-from kiln_train.data.row_formats import INSTRUCTION, MESSAGES, convert_messages, convert_row, detect_format
+from kiln_train.data.row_formats import (
+    MESSAGES,
+    PROMPT_COMPLETION,
+    convert_messages,
+    convert_row,
+    detect_format,
+)
 from kiln_train.data.row_identity import parsed_row_sha256
 from kiln_train.data.row_identity import serde_canonical_json as row_canonical_json
-from kiln_train.interop.errors import HF_EXPORT_UNSUPPORTED, InteropError
-
-# Formats whose labels are the template's assistant mask over the converted messages (what the
-# pinned runner computes with transformers); prompt/completion rows supervise less than that.
-EXPORTABLE_FORMATS = (MESSAGES, INSTRUCTION)
+from kiln_train.data.row_pipeline import text_of
 
 
 def jsonl_objects(path: Path) -> dict[int, object]:
@@ -53,9 +58,9 @@ def label_ranges(labels: list[int]) -> list[list[int]]:
     return ranges
 
 
-def _row_record(row, source_obj) -> dict:
+def _row_record(row, source_obj, max_length: int | None) -> dict:
     """What train.jsonl says about one kept row (the step fields are added per step): the row as
-    given, and the messages its format converts to (row_formats), which the runner renders."""
+    given and what its format converts to (row_formats), which the runner re-tokenizes."""
     try:
         fmt = detect_format(source_obj)
         if fmt == MESSAGES:
@@ -68,20 +73,22 @@ def _row_record(row, source_obj) -> dict:
         raise RuntimeError(f"row {row.row_index}: {exc}") from None
     if converted.row_sha256 != row.row_sha256:
         raise RuntimeError(f"row {row.row_index}: the source row no longer hashes to {row.row_sha256}")
-    if fmt not in EXPORTABLE_FORMATS:
-        raise InteropError(
-            HF_EXPORT_UNSUPPORTED,
-            f"SFT row {row.row_index} is a {fmt} row: the pinned TRL runner labels every assistant turn "
-            f"of a conversation, so it cannot reproduce this row's labels; export bundles carry "
-            f"{' and '.join(EXPORTABLE_FORMATS)} rows",
-        )
     conversation = converted.conversation
-    return {
+    record: dict = {
         "row_index": row.row_index,
         "row_sha256": row.row_sha256,
         "row": parsed,
-        "messages": conversation.messages,
-        "tools": conversation.tools,
+        "messages": conversation.messages if conversation is not None else None,
+        "tools": conversation.tools if conversation is not None else None,
+    }
+    if fmt == PROMPT_COMPLETION:  # the prompt's messages are context, their assistant turns too
+        record["context_messages"] = len(source_obj["prompt"])
+    if conversation is None:  # raw text: no template; supervised from the completion's first character
+        record["text"] = text_of(converted)
+        record["completion_start"] = len(converted.prompt)
+    if max_length is not None:
+        record["max_length"] = max_length
+    return record | {
         "input_ids": list(row.input_ids),
         "supervised_ranges": label_ranges(row.labels),
         "tokens": row.seq_len,
@@ -94,16 +101,15 @@ def step_orders(seed: int, epochs: int, n: int) -> list[list[int]]:
     return [epoch_order(seed, e, n) for e in range(epochs)]
 
 
-def train_lines(ingestion: IngestionResult, sources: dict[int, object], orders: list[list[int]]) -> bytes:
-    """`train.jsonl`: one line per optimizer step, the steps of every epoch in `orders`."""
-    truncated = (ingestion.receipt.get("row_counts") or {}).get("rows_truncated", 0)
-    if truncated:
-        raise InteropError(
-            HF_EXPORT_UNSUPPORTED,
-            f'{truncated} row(s) were cut by truncation "right": the pinned TRL runner trains whole '
-            "conversations; export without truncation (or with rows under max_length)",
-        )
-    records = [_row_record(row, sources[row.row_index]) for row in ingestion.rows]
+def train_lines(
+    ingestion: IngestionResult,
+    sources: dict[int, object],
+    orders: list[list[int]],
+    truncate_to: int | None = None,
+) -> bytes:
+    """`train.jsonl`: one line per optimizer step, the steps of every epoch in `orders`.
+    `truncate_to` is `config.max_length` under `truncation: "right"` (None otherwise)."""
+    records = [_row_record(row, sources[row.row_index], truncate_to) for row in ingestion.rows]
     out = []
     step = 0
     for epoch, order in enumerate(orders):

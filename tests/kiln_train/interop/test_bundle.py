@@ -306,31 +306,44 @@ def test_instruction_rows_are_exported_converted_with_their_own_identity(residen
     verify_bundle(result.path)
 
 
-@pytest.mark.parametrize(
-    ("row", "fragment"),
-    [
-        (
-            {
-                "prompt": [{"role": "user", "content": "Colour?"}],
-                "completion": [{"role": "assistant", "content": "Red."}],
-            },
-            "SFT row 3 is a prompt_completion row",
-        ),
-        ({"prompt": "The colour is", "completion": " red."}, "SFT row 3 is a text_prompt_completion row"),
+PROMPT_COMPLETION = {
+    "prompt": [
+        {"role": "user", "content": "Colour?"},
+        {"role": "assistant", "content": "Red."},
+        {"role": "user", "content": "Another?"},
     ],
-)
-def test_prompt_completion_rows_are_refused_and_nothing_is_written(resident, tmp_path, row, fragment):
-    with pytest.raises(KilnError) as err:
-        _export(resident, tmp_path, rows=[*conversations(2), row])
-    assert err.value.code == "hf_export_unsupported" and http_status(err.value) == 400
-    assert fragment in err.value.message and "messages and instruction rows" in err.value.message
-    assert list(tmp_path.iterdir()) == []
+    "completion": [{"role": "assistant", "content": "Blue."}],
+}
+PLAIN = {"prompt": "The colour is", "completion": " red."}
 
 
-def test_rows_cut_by_right_truncation_are_refused(resident, tmp_path):
+def test_prompt_completion_rows_carry_what_the_runner_needs(resident, tmp_path):
+    rows = [*conversations(1), PROMPT_COMPLETION, PLAIN]
+    result = _export(resident, tmp_path, rows=rows)
+    ingestion = ingest(resident, rows)
+    lines = {
+        json.loads(line)["row_index"]: json.loads(line)
+        for line in (result.path / "train.jsonl").read_text().splitlines()
+    }
+    conversational, plain = lines[2], lines[3]
+    assert conversational["row"] == PROMPT_COMPLETION and conversational["context_messages"] == 3
+    assert [m["content"] for m in conversational["messages"]] == ["Colour?", "Red.", "Another?", "Blue."]
+    assert plain["messages"] is None and plain["text"] == "The colour is red.<|im_end|>"
+    assert plain["completion_start"] == len("The colour is")
+    assert (plain["input_ids"], conversational["input_ids"]) == (
+        ingestion.rows[2].input_ids,
+        ingestion.rows[1].input_ids,
+    )
+    assert "context_messages" not in lines[1] and "text" not in lines[1] and "max_length" not in lines[1]
+    verify_bundle(result.path)
+
+
+def test_right_truncation_rides_along_as_max_length(resident, tmp_path):
     rows = conversations(2)
     longest = max(r.seq_len for r in ingest(resident, rows).rows)
-    with pytest.raises(KilnError) as err:
-        _export(resident, tmp_path, rows=rows, config=_config(max_length=longest - 1, truncation="right"))
-    assert err.value.code == "hf_export_unsupported" and 'cut by truncation "right"' in err.value.message
-    assert list(tmp_path.iterdir()) == []
+    result = _export(
+        resident, tmp_path, rows=rows, config=_config(max_length=longest - 1, truncation="right")
+    )
+    lines = [json.loads(line) for line in (result.path / "train.jsonl").read_text().splitlines()]
+    assert {line["max_length"] for line in lines} == {longest - 1}
+    assert max(line["tokens"] for line in lines) == longest - 1
