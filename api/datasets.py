@@ -100,6 +100,7 @@ class DatasetRejection(_Out):
     row_sha256: str
     reason: str
     detail: str | None
+    line: int | None = Field(default=None, description="The row's line in the file (blank lines counted).")
 
 
 class DatasetStats(_Out):
@@ -113,6 +114,10 @@ class DatasetStats(_Out):
     kept_corpus_sha256: str
     rejections: list[DatasetRejection]
     tokenizer: str = Field(description="Which tokenizer counted the tokens.")
+    rows_per_format: dict[str, int] | None = Field(
+        default=None, description="Kept rows per row format (docs/ingestion.md#row-formats)."
+    )
+    blank_lines: int | None = Field(default=None, description="Blank lines in the file (not rows).")
 
 
 class DatasetInfo(_Out):
@@ -344,12 +349,24 @@ def dataset_stats(inspection: Inspection, tokenizer_label: str) -> DatasetStats:
         max_seq_len=inspection.max_seq_len,
         kept_corpus_sha256=receipt["kept_corpus_sha256"],
         rejections=[
-            DatasetRejection(row_index=o.row_index, row_sha256=o.row_sha256, reason=o.reason, detail=o.detail)
+            DatasetRejection(
+                row_index=o.row_index, row_sha256=o.row_sha256, reason=o.reason, detail=o.detail, line=o.line
+            )
             for o in inspection.outcomes
             if not o.kept
         ],
         tokenizer=tokenizer_label,
+        rows_per_format=_kept_per_format(inspection.outcomes),
+        blank_lines=(receipt.get("row_counts") or {}).get("blank_lines", 0),
     )
+
+
+def _kept_per_format(outcomes) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for o in outcomes:
+        if o.kept:
+            counts[o.format] = counts.get(o.format, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 # ----- uploads ----------------------------------------------------------------------------------

@@ -175,7 +175,11 @@ def constrain(components: dict) -> dict:
     for model, fields in request_constraints().items():
         properties = components[model]["properties"]
         for name, schema in fields.items():
-            kept = {k: v for k, v in properties[name].items() if k in ("title", "default", "description")}
+            kept = {
+                k: v
+                for k, v in properties[name].items()
+                if k in ("title", "default", "description", "examples")
+            }
             properties[name] = {**kept, **schema}
     components["SftRequest"].update(SFT_TRANSPORTS)
     components["ValidationSpec"].update(VALIDATION_SOURCES)

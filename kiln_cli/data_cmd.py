@@ -30,7 +30,7 @@ from kiln_train.data.chat_template import (
     select_training_template,
     training_template,
 )
-from kiln_train.data.ingestion import RowOutcome, apply_invalid_row_policy, iter_jsonl_outcomes
+from kiln_train.data.ingestion import LengthRule, RowOutcome, apply_invalid_row_policy, iter_jsonl_outcomes
 from kiln_train.data.ingestion_receipt import POLICIES
 from kiln_train.data.inspect import row_facts
 from kiln_train.data.packaged_tokenizer import cached_tokenizer
@@ -118,7 +118,19 @@ def register(cli: click.Group) -> None:
     )
     @click.option("--policy", type=click.Choice(POLICIES), default="fail", show_default=True)
     @click.option("--json", "as_json", is_flag=True, help="One JSON object per row, then the receipt.")
-    def inspect(file: Path, model: Path | None, policy: str, as_json: bool) -> None:
+    @click.option(
+        "--max-length", type=click.IntRange(min=2), help="Longest row in tokens, as config.max_length."
+    )
+    @click.option(
+        "--truncation",
+        type=click.Choice(["error", "right"]),
+        default="error",
+        show_default=True,
+        help="A row over --max-length: too_long, or cut (as config.truncation).",
+    )
+    def inspect(
+        file: Path, model: Path | None, policy: str, as_json: bool, max_length: int | None, truncation: str
+    ) -> None:
         """Render, tokenize and label every row of FILE.jsonl; report kept and rejected rows."""
         try:
             tokenizer, template = load_model_text_stack(model)
@@ -127,7 +139,8 @@ def register(cli: click.Group) -> None:
             sys.exit(2)
         logging.getLogger("kiln_train.data.ingestion").setLevel(logging.ERROR)  # rows are shown below
         try:
-            stream = iter_jsonl_outcomes(file, tokenizer=tokenizer, template=template)
+            limit = LengthRule.of(max_length, truncation)
+            stream = iter_jsonl_outcomes(file, tokenizer=tokenizer, template=template, limit=limit)
             outcomes = list(stream)
         except OSError as exc:
             click.echo(f"kiln: cannot read {file}: {exc.strerror or exc}", err=True)

@@ -98,8 +98,17 @@ class SftConfig(BaseModel):
     invalid_row_policy: Literal["fail", "skip"] = "fail"
     # Row length limit (docs/ingestion.md#length-limits): none by default; "error" rejects a longer
     # row `too_long`, "right" cuts it (opt-in). At least 2: a row needs a token after position 0.
-    max_length: int | None = Field(default=None, ge=2, le=MAX_ROW_TOKENS)
-    truncation: Literal["error", "right"] = "error"
+    max_length: int | None = Field(
+        default=None,
+        ge=2,
+        le=MAX_ROW_TOKENS,
+        description="The longest row in tokens (default: no limit). What a longer row does: truncation.",
+    )
+    truncation: Literal["error", "right"] = Field(
+        default="error",
+        description='"error": a row longer than max_length is rejected too_long (nothing is cut); '
+        '"right": it is cut to max_length and must keep a supervised token (else answer_truncated).',
+    )
     epochs: int = Field(default=3, ge=1, le=100_000)
     learning_rate: float | None = None
     lora_rank: int = Field(default=16, ge=1, le=MAX_LORA_RANK)
@@ -281,13 +290,48 @@ class ValidationSpec(BaseModel):
         return "dataset_path" if self.dataset_path is not None else "holdout"
 
 
+# What a training row may look like (docs/ingestion.md#row-formats), for the OpenAPI document.
+ROWS_DESCRIPTION = (
+    "Training rows, one object each, in any of these formats (they may mix): `messages` (an "
+    "OpenAI-shaped conversation, optional `tools`); `instruction` with optional `input`, `output`, "
+    "optional `system` and `history` (a list of [instruction, response] pairs), converted to a "
+    "conversation; `prompt`/`completion` as lists of messages (only the completion's assistant "
+    "turns are trained) or as strings (raw text, no chat template, one EOS appended). Keys of two "
+    "formats, unknown keys beside an instruction or prompt/completion row, empty outputs and empty "
+    "assistant answers are row rejections under config.invalid_row_policy."
+)
+ROW_FORMAT_EXAMPLES = [
+    {
+        "messages": [
+            {"role": "user", "content": "Capital of France?"},
+            {"role": "assistant", "content": "Paris."},
+        ]
+    },
+    {"instruction": "Translate to French", "input": "good morning", "output": "bonjour"},
+    {
+        "prompt": [{"role": "user", "content": "Name a colour."}],
+        "completion": [{"role": "assistant", "content": "Blue."}],
+    },
+    {"prompt": "The capital of France is", "completion": " Paris."},
+]
+
+
 class SftRequest(BaseModel):
     """Body of `POST /v1/train/sft`: exactly one data transport plus an optional config."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
-    examples: list[dict] | None = None
-    dataset_path: str | None = None
+    examples: list[dict] | None = Field(
+        default=None,
+        description=ROWS_DESCRIPTION,
+        json_schema_extra={"examples": [ROW_FORMAT_EXAMPLES]},
+    )
+    dataset_path: str | None = Field(
+        default=None,
+        description="A JSONL file under the server's datasets directory: one row per line, in any of "
+        "the row formats `examples` takes; blank lines are skipped but counted in the line numbers "
+        "errors name.",
+    )
     dataset: str | None = None
     dataset_split: Literal["train", "validation", "holdout"] | None = None
     config: SftConfig = Field(default_factory=SftConfig)

@@ -135,6 +135,13 @@ def _convert(row: SourceRow) -> ConvertedRow | RowOutcome:
         return _rejected(row, row_sha, exc.reason, exc.detail, fmt)
 
 
+def text_of(converted: ConvertedRow) -> str:
+    """The raw text of a plain prompt/completion row: prompt, completion and one EOS (none added
+    when the completion already ends with it)."""
+    completion = converted.completion
+    return converted.prompt + completion + ("" if completion.endswith(EOS_TEXT) else EOS_TEXT)
+
+
 def _front(row: SourceRow, template: ChatTemplate, t: IngestionTimings):
     """Parse, convert, hash, check and render one row: a RowOutcome (rejected) or a _Pending."""
     t0 = time.perf_counter()
@@ -144,8 +151,7 @@ def _front(row: SourceRow, template: ChatTemplate, t: IngestionTimings):
     if isinstance(converted, RowOutcome):
         return converted
     if converted.conversation is None:  # raw text: no template, one EOS
-        completion = converted.completion
-        text = converted.prompt + completion + ("" if completion.endswith(EOS_TEXT) else EOS_TEXT)
+        text = text_of(converted)
         boundary = len(converted.prompt)
         return _Pending(row, converted, RenderedConversation(text, ((boundary, len(text)),)), boundary)
     conversation = converted.conversation

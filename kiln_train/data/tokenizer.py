@@ -186,9 +186,9 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     """Load `tokenizer.json` from a model (or tokenizer) directory.
 
     A `tokenizer.json` may carry `truncation` and `padding` settings (Hugging Face saves whatever
-    was enabled when it was written). SFT never truncates or pads a row
-    (docs/tokenization.md#no-truncation), so both are switched off here: a checkpoint's file
-    cannot silently shorten training examples.
+    was enabled when it was written). SFT never pads a row and truncates one only when the
+    request asks (docs/tokenization.md#no-truncation), so both are switched off here: a
+    checkpoint's file cannot silently shorten training examples.
     """
     path = Path(model_dir)
     path = path if path.suffix == ".json" else path / TOKENIZER_FILE

@@ -5,7 +5,7 @@ admission, the worker re-derives them at dequeue, the trainer evaluates them.
 A request's `validation` names exactly one source:
 
 - `examples`: inline rows of their own, ingested exactly like training rows (same template,
-  labels, no truncation, same `invalid_row_policy`, same row hashes); a malformed example is
+  labels, row formats, the same length rule, same `invalid_row_policy`, same row hashes); a malformed example is
   `validation.examples[<i>]`, a rejected row `SFT validation row <n>`.
 - `dataset_path`: a JSONL file under the server's datasets directory, same rules.
 - `holdout_percent` P (1..=50): the submitted rows are ingested once, then the kept rows are split

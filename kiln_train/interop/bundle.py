@@ -294,7 +294,9 @@ def _bundle_files(
     """Every file of the bundle but the README and the manifest, by path inside the bundle."""
     model_dir = Path(resident.model_dir)
     return {
-        TRAIN_FILE: train_lines(ingestion, sources, orders),
+        TRAIN_FILE: train_lines(
+            ingestion, sources, orders, config.max_length if config.truncation == "right" else None
+        ),
         RECEIPT_FILE: (json.dumps(ingestion.receipt, indent=2, ensure_ascii=False) + "\n").encode("utf-8"),
         TOKENIZER_FILE: (model_dir / TOKENIZER_FILE).read_bytes(),
         CONFIG_FILE: (model_dir / CONFIG_FILE).read_bytes(),

@@ -63,10 +63,14 @@ def _template_and_content_edges() -> list[dict]:
             "why": "no supervised assistant token at positions >= 1 (docs/ingestion.md#validation)",
         },
         {
-            "name": "empty_assistant_turn_is_trained",
+            "name": "empty_assistant_turn_is_rejected",
             "example": {"messages": [_Q, {"role": "assistant", "content": " \n"}]},
-            "kiln": {"kept": True},
-            "why": "the empty think block and <|im_end|>\\n are supervised (docs/tokenization.md#assistant-only-labels)",
+            "kiln": {
+                "rejection": "empty_response",
+                "detail": "has empty content, no tool calls and no reasoning",
+            },
+            "why": "only the empty think block and <|im_end|>\\n would be trained: an empty answer "
+            "(docs/ingestion.md#validation)",
         },
         {
             "name": "image_part",

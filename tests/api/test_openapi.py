@@ -97,3 +97,23 @@ def test_every_request_integer_has_an_upper_bound(client):
 def test_the_request_body_states_its_size_and_nesting_limits(client):
     body = client.get("/openapi.json").get_json()["paths"]["/v1/train/sft"]["post"]["requestBody"]
     assert "server.max_request_mb" in body["description"] and "64 levels" in body["description"]
+
+
+def test_the_document_describes_every_row_format_with_an_example(client):
+    schemas = client.get("/openapi.json").get_json()["components"]["schemas"]
+    examples = schemas["SftRequest"]["properties"]["examples"]
+    for word in ("`messages`", "`instruction`", "`input`", "`output`", "`history`", "`prompt`/`completion`"):
+        assert word in examples["description"], word
+    (sample,) = examples["examples"]
+    assert [sorted(row) for row in sample] == [
+        ["messages"],
+        ["input", "instruction", "output"],
+        ["completion", "prompt"],
+        ["completion", "prompt"],
+    ]
+    assert isinstance(sample[2]["prompt"], list) and isinstance(sample[3]["prompt"], str)
+    config = schemas["SftConfig"]["properties"]
+    assert (
+        "too_long" in config["truncation"]["description"]
+        and "longest row" in config["max_length"]["description"]
+    )

@@ -257,3 +257,34 @@ def test_an_unreadable_file_is_a_clear_error_not_a_traceback(model_dir):
     assert result.exit_code == 2
     assert "kiln: cannot read /proc/self/mem: Input/output error" in result.output
     assert "Traceback" not in result.output
+
+
+INSTRUCTION_FILE = Path(__file__).resolve().parents[2] / "examples" / "instruction.jsonl"
+
+
+def test_inspect_shows_each_rows_line_format_and_conversion(model_dir, tmp_path):
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("\n" + INSTRUCTION_FILE.read_text())
+    result = inspect(model_dir, data, "--policy", "skip")
+    assert result.exit_code == 0, result.output[-2000:]
+    assert "── row 1  line 2  instruction  sha256:" in result.output
+    assert "   converted: user = instruction, assistant = output" in result.output
+    assert "converted: system, user = instruction, assistant = output" in result.output
+    assert "converted: 1 history pair(s), user = instruction, assistant = output" in result.output
+    assert "── row 9  line 10  prompt_completion  sha256:" in result.output
+    assert "── row 10  line 11  text_prompt_completion  sha256:" in result.output
+    assert "converted: raw text: prompt + completion + EOS, no chat template" in result.output
+
+
+def test_inspect_applies_the_length_rule_it_is_given(model_dir, tmp_path):
+    data = tmp_path / "rows.jsonl"
+    data.write_text(INSTRUCTION_FILE.read_text())
+    facts = [json.loads(line) for line in inspect(model_dir, data, "--json").output.splitlines()[:-1]]
+    longest = max(f["seq_len"] for f in facts)
+    refused = inspect(model_dir, data, "--max-length", str(longest - 1))
+    assert refused.exit_code == 1 and "rejected as too_long" in refused.output
+    cut = inspect(model_dir, data, "--max-length", str(longest - 1), "--truncation", "right", "--json")
+    assert cut.exit_code == 0, cut.output[-2000:]
+    *rows, receipt = [json.loads(line) for line in cut.output.splitlines()]
+    assert max(r["seq_len"] for r in rows) == longest - 1 and sum(r["dropped_tokens"] for r in rows) >= 1
+    assert receipt["row_counts"]["rows_truncated"] == sum(1 for r in rows if r["dropped_tokens"])

@@ -87,7 +87,9 @@ def test_a_bad_row_exits_1_naming_the_row_and_its_line(tmp_path, tiny_model_dir)
     proc = kiln_local(tiny_model_dir, data, output, *RUN_FLAGS)
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr
-    assert "kiln: training_invalid_request: Invalid training request: SFT row 2 (sha256:" in proc.stderr
+    assert (
+        "kiln: training_invalid_request: Invalid training request: line 3: SFT row 2 (sha256:" in proc.stderr
+    )
     assert "rejected as invalid_role" in proc.stderr
     assert f"note: SFT row 2 is line 3 of {data}" in proc.stderr
     assert proc.stdout == ""

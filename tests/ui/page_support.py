@@ -12,6 +12,7 @@ from tests.ui.conftest import http
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "examples" / "demo.jsonl"
+INSTRUCTION = REPO / "examples" / "instruction.jsonl"
 BAD_ROLE = {"messages": [{"role": "user", "content": "Hi"}, {"role": "bot", "content": "Hello"}]}
 XSS_TEXT = "<img src=x onerror=alert(1)>"
 XSS_ROW = {

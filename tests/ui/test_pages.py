@@ -23,7 +23,17 @@ from playwright.sync_api import expect
 
 from tests.api.conftest import example
 from tests.ui.conftest import DESKTOP, PHONE, TRAINING_MEMORY_GB, clean_env, free_port, http, open_tab
-from tests.ui.page_support import BAD_ROLE, DEMO, SMALL, XSS_ROW, XSS_TEXT, jsonl, name, wait_for_health
+from tests.ui.page_support import (
+    BAD_ROLE,
+    DEMO,
+    INSTRUCTION,
+    SMALL,
+    XSS_ROW,
+    XSS_TEXT,
+    jsonl,
+    name,
+    wait_for_health,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -58,7 +68,12 @@ def test_the_inspector_marks_exactly_the_tokens_kiln_data_inspect_supervises(
     tab, stack, tmp_path, tiny_model_dir
 ):
     page = tab.page
-    rows = [json.loads(line) for line in DEMO.read_text().splitlines()[:8]] + [XSS_ROW, BAD_ROLE]
+    instruction = [json.loads(line) for line in INSTRUCTION.read_text().splitlines()]
+    rows = (
+        [json.loads(line) for line in DEMO.read_text().splitlines()[:8]]
+        + instruction[-3:]
+        + [XSS_ROW, BAD_ROLE]
+    )
     data = tmp_path / "inspect.jsonl"
     data.write_text(jsonl(rows))
     cli = subprocess.run(
@@ -77,6 +92,9 @@ def test_the_inspector_marks_exactly_the_tokens_kiln_data_inspect_supervises(
     for fact in facts:
         article = page.locator(f"#inspect-result article[data-row='{fact['row_index']}']")
         expect(article.locator(".hash")).to_have_text(fact["row_sha256"])
+        expect(article.locator(".line")).to_have_text(f"line {fact['line']}")
+        if fact["format"] is not None:
+            expect(article.locator(".format")).to_have_text(fact["format"])
         if "labels" in fact:
             supervised = [i for i, label in enumerate(fact["labels"]) if label != -100]
             marked = article.locator(".tok.supervised").evaluate_all(
@@ -93,6 +111,8 @@ def test_the_inspector_marks_exactly_the_tokens_kiln_data_inspect_supervises(
     expect(xss).to_contain_text(XSS_TEXT)
     expect(xss).to_contain_text("<script>alert(2)</script> fine")
     expect(page.locator("#inspect-result img, #inspect-result script, #inspect-result b")).to_have_count(0)
+    formats = [f["format"] for f in facts]
+    assert {"instruction", "prompt_completion", "text_prompt_completion", "messages"} <= set(formats)
     tab.shot("inspector", DESKTOP)
 
 

@@ -531,7 +531,7 @@ const VALIDATION_FIELD_IDS = {
   holdout_percent: "sft-holdout-percent",
   interval_steps: "sft-validation-interval",
 };
-const SOURCE_FIELD = { file: "sft-dataset-file", text: "sft-dataset-text", stored: "sft-dataset-select", sample: "sft-dataset-text" };
+const SOURCE_FIELD = { file: "sft-dataset-file", text: "sft-dataset-text", stored: "sft-dataset-select", sample: "sft-dataset-text", "sample-instruction": "sft-dataset-text" };
 
 function source() {
   return $("input[name='sft-source']:checked").value;
@@ -799,18 +799,19 @@ function parsePasted(text, field) {
   return parseJsonl(trimmed, field);
 }
 
-async function sampleText() {
-  if (sampleRows === null) {
+async function sampleText(file = "sample.jsonl") {
+  if (sampleRows === null) sampleRows = {};
+  if (sampleRows[file] === undefined) {
     let response;
     try {
-      response = await fetch("/ui/sample.jsonl", { cache: "no-store" });
+      response = await fetch(`/ui/${file}`, { cache: "no-store" });
     } catch (err) {
       throw new ApiFailure(0, { code: "unreachable", message: `the Kiln api cannot be reached (${err.message})` });
     }
     if (!response.ok) throw new ApiFailure(response.status, { code: `http_${response.status}`, message: "the sample rows could not be loaded" });
-    sampleRows = await response.text();
+    sampleRows[file] = await response.text();
   }
-  return sampleRows;
+  return sampleRows[file];
 }
 
 /** The request's data transport from the chosen source. */
@@ -828,6 +829,8 @@ async function dataTransport() {
       if (!path) throw new InputProblem("sft-dataset-select", "choose a stored dataset");
       return { dataset_path: path };
     }
+    case "sample-instruction":
+      return { examples: parseJsonl(await sampleText("sample-instruction.jsonl"), "sft-dataset-text") };
     default:
       return { examples: parseJsonl(await sampleText(), "sft-dataset-text") };
   }
@@ -1451,6 +1454,8 @@ function inspectedRow(row) {
   const kept = f.rejection === undefined;
   const header = el("header", {},
     el("strong", { text: `row ${f.row_index}` }),
+    f.line != null && el("span", { class: "line", text: `line ${f.line}` }),
+    f.format && el("span", { class: "format", title: f.conversion || "", text: f.format }),
     el("span", { class: "hash mono", text: f.row_sha256 }),
     kept
       ? el("span", { class: "counts", text: `tokens ${f.seq_len} · supervised ${f.supervised_tokens}` })

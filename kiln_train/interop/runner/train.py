@@ -10,8 +10,10 @@ allows, and refuses to start when it could not:
 3. the base model directory (--model): config.json and the base weight content against the
    identities the manifest records;
 4. every step's row, rendered by transformers' apply_chat_template with the bundled training
-   template and its assistant mask (the call TRL's SFTTrainer makes), against Kiln's token ids
-   and supervised token ranges in train.jsonl.
+   template and its assistant mask (the call TRL's SFTTrainer makes; a prompt/completion row's
+   prompt is context; a raw-text row is tokenized as text and supervised from its completion;
+   rows are cut to max_length when the run truncates), against Kiln's token ids and supervised
+   token ranges in train.jsonl.
 
 Then TRL's SFTTrainer trains the rows of train.jsonl in that order (sequential sampler, one
 pass), one conversation per optimizer step (batch 1, no accumulation), constant learning rate,
@@ -192,6 +194,40 @@ def mask_ranges(mask: list[int]) -> list[list[int]]:
     return ranges
 
 
+def tokenize_step(tokenizer, template: str, s: dict) -> tuple[list[int], list[int]]:
+    """One step's ids and supervision mask, derived with transformers from what the row is:
+    a conversation (the training template's assistant mask; a prompt/completion row's prompt
+    messages, `context_messages`, are context), or raw text (`text`: tokens from
+    `completion_start` on). Cut to `max_length` when the run truncates rows."""
+    if s.get("text") is not None:
+        enc = tokenizer(s["text"], add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(enc["input_ids"])
+        mask = [int(start >= s["completion_start"]) for start, _end in enc["offset_mapping"]]
+    else:
+        kwargs = {"tools": s["tools"], "chat_template": template, "add_generation_prompt": False}
+        out = tokenizer.apply_chat_template(
+            s["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **kwargs
+        )
+        ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+        context = s.get("context_messages")
+        if context:
+            prompt = tokenizer.apply_chat_template(
+                s["messages"][:context], tokenize=True, return_dict=True, **kwargs
+            )
+            prompt_ids = list(prompt["input_ids"])
+            if prompt_ids != ids[: len(prompt_ids)]:
+                raise Refusal(
+                    5,
+                    f"step {s['step']} (row {s['row_index']}): the prompt rendered alone is not where the "
+                    "rendered row begins, so its end cannot mark the completion",
+                )
+            mask = [0] * len(prompt_ids) + mask[len(prompt_ids) :]
+    limit = s.get("max_length")
+    if limit is not None:
+        ids, mask = ids[:limit], mask[:limit]
+    return ids, mask
+
+
 def tokenize_steps(tokenizer, template: str, steps: list[dict]) -> tuple[list, list]:
     """Each step's ids and assistant mask from transformers (the call TRL's SFTTrainer makes),
     refused unless they are Kiln's token ids and supervised ranges."""
@@ -200,16 +236,7 @@ def tokenize_steps(tokenizer, template: str, steps: list[dict]) -> tuple[list, l
         key = s["row_sha256"]
         if key in by_row:
             continue
-        out = tokenizer.apply_chat_template(
-            s["messages"],
-            tools=s["tools"],
-            chat_template=template,
-            tokenize=True,
-            return_dict=True,
-            return_assistant_tokens_mask=True,
-            add_generation_prompt=False,
-        )
-        got_ids, got_mask = list(out["input_ids"]), list(out["assistant_masks"])
+        got_ids, got_mask = tokenize_step(tokenizer, template, s)
         where = f"step {s['step']} (row {s['row_index']}, {key})"
         if got_ids != s["input_ids"]:
             first = next(

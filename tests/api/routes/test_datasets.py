@@ -89,6 +89,21 @@ def test_skip_stores_the_rows_it_can_and_records_each_rejection(client, settings
     assert all(r["row_sha256"].startswith("sha256:") for r in rejections)
 
 
+def test_an_upload_of_mixed_formats_reports_formats_lines_and_blank_lines(client, settings, runner):
+    alpaca = {"instruction": "Translate to French", "input": "good morning", "output": "bonjour"}
+    plain = {"prompt": "2+2=", "completion": "4"}
+    body = jsonl(example(0), "", alpaca, "", "", {"instruction": "x", "output": ""}, plain)
+    response = upload(client, "formats.jsonl", body, invalid_row_policy="skip")
+    assert response.status_code == 201, response.get_json()
+    stats = response.get_json()["stats"]
+    assert stats["rows_per_format"] == {"instruction": 1, "messages": 1, "text_prompt_completion": 1}
+    assert stats["blank_lines"] == 3
+    (rejection,) = stats["rejections"]
+    assert (rejection["row_index"], rejection["line"], rejection["reason"]) == (3, 6, "empty_output")
+    described = client.get("/v1/datasets/formats.jsonl").get_json()["stats"]
+    assert described == stats
+
+
 def test_a_name_is_never_overwritten(client, settings, runner):
     assert upload(client, "keep.jsonl", jsonl(example(0))).status_code == 201
     before = (settings.datasets_dir / "keep.jsonl").read_bytes()

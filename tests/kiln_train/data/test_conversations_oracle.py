@@ -21,10 +21,8 @@ from kiln_train.data.tokenizer import vocabulary_file
 from tests.kiln_train.data import reference_fixtures as rf
 from tests.kiln_train.data.reference_fixtures import (
     assert_cases_match_the_oracle,
-    holds_empty_answer,
     labels_from,
     load_fixture,
-    render_without_row_rules,
 )
 
 generators = rf.generators  # shared fixture
@@ -117,17 +115,6 @@ def test_edge_rows_get_the_documented_outcome(qwen_tokenizer, fixture):
     for edge, outcome in zip(edges, outcomes, strict=True):
         want, oracle = edge["kiln"], edge["oracle"]
         assert edge["why"], edge["name"]
-        if want.get("kept") and holds_empty_answer(edge["example"]):
-            # Recorded as kept before the row rule `empty_response` existed: now rejected, and the
-            # oracle's rendering is still what the template and the mask produce.
-            assert (outcome.kept, outcome.reason) == (False, "empty_response"), edge["name"]
-            labels = labels_from(oracle["input_ids"], oracle["supervised_ranges"])
-            assert render_without_row_rules(edge["example"], qwen_tokenizer) == (
-                oracle["text"],
-                oracle["input_ids"],
-                labels,
-            )
-            continue
         if want.get("kept"):
             assert outcome.kept, (edge["name"], outcome.detail)
             assert outcome.rendered.text == oracle["text"]

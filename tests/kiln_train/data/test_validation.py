@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from kiln_train.data.ingestion import ingest_examples, ingest_jsonl
+from kiln_train.data.ingestion import LengthRule, ingest_examples, ingest_jsonl
 from kiln_train.data.ingestion_receipt import validate_ingestion_receipt
 from kiln_train.data.row_identity import kept_corpus_sha256
 from kiln_train.data.validation import (
@@ -214,6 +214,36 @@ def test_inline_validation_rows_are_ingested_like_training_rows(qwen_tokenizer, 
     assert part["source"] == "inline" and "source_locator" not in part and "holdout_percent" not in part
     assert part["rows_read"] == part["rows_kept"] == 2
     assert validation.interval_steps == 2
+
+
+def test_validation_rows_may_be_any_row_format_and_obey_the_length_rule(qwen_tokenizer, ingestion, tmp_path):
+    alpaca = {"instruction": "Question 40?", "output": "Answer 40."}
+    spec = _spec(examples=[alpaca, row(41)])
+    _, validation = prepare_validation(spec, ingestion, tokenizer=qwen_tokenizer, seed=1)
+    (as_messages,) = ingest_examples([row(40)], tokenizer=qwen_tokenizer).rows
+    assert (
+        validation.rows[0].input_ids == as_messages.input_ids
+        and validation.rows[0].labels == as_messages.labels
+    )
+
+    shortest = min(r.seq_len for r in validation.rows)
+    with pytest.raises(KilnError) as info:
+        prepare_validation(
+            spec, ingestion, tokenizer=qwen_tokenizer, seed=1, limit=LengthRule.of(shortest - 1)
+        )
+    assert (
+        "SFT validation row 1 (sha256:" in info.value.detail and "rejected as too_long" in info.value.detail
+    )
+
+    data = tmp_path / "valid.jsonl"
+    data.write_text(
+        "\n" + json.dumps(alpaca) + "\n\n" + json.dumps({"instruction": "x", "output": ""}) + "\n"
+    )
+    file_spec = _spec(dataset_path="valid.jsonl")
+    with pytest.raises(KilnError) as info:
+        prepare_validation(file_spec, ingestion, tokenizer=qwen_tokenizer, seed=1, datasets_root=tmp_path)
+    assert info.value.detail.startswith("line 4: SFT validation row 2 (sha256:")
+    assert "rejected as empty_output" in info.value.detail
 
 
 def test_a_malformed_validation_example_is_named_by_its_field(qwen_tokenizer, ingestion):

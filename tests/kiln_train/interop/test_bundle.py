@@ -285,3 +285,65 @@ def test_staging_is_removed_when_a_build_fails(tmp_path):
     with pytest.raises(RuntimeError):
         bundle_mod.publish_bundle(tmp_path, "x", build)
     assert list(tmp_path.iterdir()) == []
+
+
+ALPACA = {"instruction": "Which color is listed?", "input": "red, blue", "output": "Red and blue."}
+
+
+def test_instruction_rows_are_exported_converted_with_their_own_identity(resident, tmp_path):
+    rows = [*conversations(2), ALPACA]
+    result = _export(resident, tmp_path, rows=rows)
+    ingestion = ingest(resident, rows)
+    lines = [json.loads(line) for line in (result.path / "train.jsonl").read_text().splitlines()]
+    alpaca = next(line for line in lines if line["row_index"] == 3)
+    assert alpaca["row"] == ALPACA  # the row as given, which its hash covers
+    assert alpaca["row_sha256"] == ingestion.rows[2].row_sha256
+    assert alpaca["messages"] == [
+        {"role": "user", "content": "Which color is listed?\nred, blue"},
+        {"role": "assistant", "content": "Red and blue."},
+    ]
+    assert alpaca["input_ids"] == ingestion.rows[2].input_ids
+    verify_bundle(result.path)
+
+
+PROMPT_COMPLETION = {
+    "prompt": [
+        {"role": "user", "content": "Colour?"},
+        {"role": "assistant", "content": "Red."},
+        {"role": "user", "content": "Another?"},
+    ],
+    "completion": [{"role": "assistant", "content": "Blue."}],
+}
+PLAIN = {"prompt": "The colour is", "completion": " red."}
+
+
+def test_prompt_completion_rows_carry_what_the_runner_needs(resident, tmp_path):
+    rows = [*conversations(1), PROMPT_COMPLETION, PLAIN]
+    result = _export(resident, tmp_path, rows=rows)
+    ingestion = ingest(resident, rows)
+    lines = {
+        json.loads(line)["row_index"]: json.loads(line)
+        for line in (result.path / "train.jsonl").read_text().splitlines()
+    }
+    conversational, plain = lines[2], lines[3]
+    assert conversational["row"] == PROMPT_COMPLETION and conversational["context_messages"] == 3
+    assert [m["content"] for m in conversational["messages"]] == ["Colour?", "Red.", "Another?", "Blue."]
+    assert plain["messages"] is None and plain["text"] == "The colour is red.<|im_end|>"
+    assert plain["completion_start"] == len("The colour is")
+    assert (plain["input_ids"], conversational["input_ids"]) == (
+        ingestion.rows[2].input_ids,
+        ingestion.rows[1].input_ids,
+    )
+    assert "context_messages" not in lines[1] and "text" not in lines[1] and "max_length" not in lines[1]
+    verify_bundle(result.path)
+
+
+def test_right_truncation_rides_along_as_max_length(resident, tmp_path):
+    rows = conversations(2)
+    longest = max(r.seq_len for r in ingest(resident, rows).rows)
+    result = _export(
+        resident, tmp_path, rows=rows, config=_config(max_length=longest - 1, truncation="right")
+    )
+    lines = [json.loads(line) for line in (result.path / "train.jsonl").read_text().splitlines()]
+    assert {line["max_length"] for line in lines} == {longest - 1}
+    assert max(line["tokens"] for line in lines) == longest - 1

@@ -254,3 +254,25 @@ def test_the_planning_it_shares_with_the_api_does_not_import_torch():
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_instruction_rows_train_the_adapter_their_messages_rows_train(tmp_path, resident):
+    """The format seam converts, nothing more: the same conversations written as instruction rows
+    give bit-identical adapters and losses; only the row identities (the rows as given) differ."""
+    rows = conversations(3)
+    alpaca = [
+        {"instruction": r["messages"][0]["content"], "output": r["messages"][1]["content"]} for r in rows
+    ]
+    config = {**CONFIG, "seed": 21}
+    native = finetune(resident, rows, {**config, "output_name": "native"}, tmp_path / "native")
+    converted = finetune(resident, alpaca, {**config, "output_name": "native"}, tmp_path / "converted")
+    assert native.status == converted.status == "success", converted.failure_message
+    assert converted.loss_history == native.loss_history
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        assert (converted.adapter_path / name).read_bytes() == (native.adapter_path / name).read_bytes(), name
+    ours, theirs = read_json(converted.receipt_path), read_json(native.receipt_path)
+    assert ours["data"]["sft_ingestion"]["row_counts"]["rows_per_format"] == {"instruction": 3}
+    assert "row_counts" not in theirs["data"]["sft_ingestion"]  # a messages-only receipt is unchanged
+    assert (
+        ours["data"]["sft_ingestion"]["kept_row_hashes"] != theirs["data"]["sft_ingestion"]["kept_row_hashes"]
+    )

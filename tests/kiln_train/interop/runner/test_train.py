@@ -11,7 +11,7 @@ import pytest
 from kiln_train.interop.bundle import ResidentFacts
 from kiln_train.interop.export import export_sft
 from kiln_train.sft_config import parse_sft_config
-from tests.kiln_train.interop.support import read_json, rehash_bundle, run_train_py
+from tests.kiln_train.interop.support import kiln_run, read_json, rehash_bundle, run_train_py
 from tests.kiln_train.train import trainer_fixtures as fx
 from tests.kiln_train.train.trainer_fixtures import conversations
 
@@ -110,3 +110,55 @@ def test_a_non_finite_loss_stops_the_run_without_an_adapter(exported, tiny_dir, 
     result = read_json(tmp_path / "out" / "kiln_hf_result.json")
     assert result["status"] == "failed" and result["exit_status"] == 6
     assert not (tmp_path / "out" / "adapter_model.safetensors").exists()
+
+
+MIXED_ROWS = [
+    {"instruction": "Which color is listed?", "input": "red", "output": "Red."},
+    {"system": "Be brief.", "history": [["Hi", "Hello"]], "instruction": "Name a color.", "output": "Blue."},
+    {
+        "prompt": [
+            {"role": "user", "content": "Name a color."},
+            {"role": "assistant", "content": "Green."},
+            {"role": "user", "content": "Another?"},
+        ],
+        "completion": [{"role": "assistant", "content": "Gold."}],
+    },
+    {"prompt": "The answer is for", "completion": "ty-two."},  # a straddling token: not supervised
+    *conversations(1),
+]
+SGD = {"epochs": 1, "lora_rank": 2, "lora_alpha": 4.0, "optimizer": {"kind": "sgd"}, "learning_rate": 0.05}
+
+
+def test_a_bundle_of_every_row_format_trains_in_trl_like_kiln(resident, tiny_dir, tmp_path):
+    """The runner re-derives each converted row's ids and labels with transformers (exit 5 unless
+    they are Kiln's), then TRL trains them: per-step losses equal Kiln's own run of the rows."""
+    config = parse_sft_config(SGD).resolve(seed=5)
+    facts = ResidentFacts.of_resident(resident)
+    bundle = export_sft(
+        tmp_path / "exports", name="formats", resident=facts, tokenizer=resident.tokenizer, config=config,
+        examples=MIXED_ROWS,
+    ).path  # fmt: skip
+    proc = run_train_py(bundle, tiny_dir, tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = [
+        json.loads(line)["loss"] for line in (tmp_path / "out" / "step_losses.jsonl").read_text().splitlines()
+    ]
+    ours = kiln_run(resident, config, MIXED_ROWS, tmp_path / "kiln", "formats").loss_history
+    assert len(theirs) == len(ours) == len(MIXED_ROWS)
+    assert max(abs(a - b) / abs(b) for a, b in zip(theirs, ours, strict=True)) <= 1e-4
+
+
+def test_a_bundle_of_rows_cut_by_right_truncation_trains_in_trl(resident, tiny_dir, tmp_path):
+    rows = conversations(2)
+    config = parse_sft_config({**SGD, "max_length": 25, "truncation": "right"}).resolve(seed=5)
+    bundle = export_sft(
+        tmp_path / "exports", name="cut", resident=ResidentFacts.of_resident(resident),
+        tokenizer=resident.tokenizer, config=config, examples=rows,
+    ).path  # fmt: skip
+    lines = [json.loads(line) for line in (bundle / "train.jsonl").read_text().splitlines()]
+    assert {len(line["input_ids"]) for line in lines} == {25} and {line["max_length"] for line in lines} == {
+        25
+    }
+    proc = run_train_py(bundle, tiny_dir, tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert read_json(tmp_path / "out" / "kiln_hf_result.json")["run"]["steps"] == 2
