@@ -373,10 +373,12 @@ def _kept_per_format(outcomes) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def spooled_body(stream, directory: Path) -> Iterator[tuple[Path, str, int]]:
+def spooled_body(stream, directory: Path, length: int | None = None) -> Iterator[tuple[Path, str, int]]:
     """The request body written to a hidden file in `directory`: (path, sha256, bytes). The file
     is removed on the way out, whatever happens (a stored upload is a hard link to it). A line
-    longer than MAX_LINE_BYTES is a 400 as soon as it is seen (docs/security.md)."""
+    longer than MAX_LINE_BYTES is a 400 as soon as it is seen (docs/security.md). With the body's
+    `length` (Content-Length) no read goes past it: under gunicorn the stream is limited to
+    `server.max_request_mb`, and one read beyond a body of exactly that size would be a 413."""
     meter = LineMeter()
     directory.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix=UPLOAD_PREFIX, suffix=".tmp", dir=directory)
@@ -385,7 +387,10 @@ def spooled_body(stream, directory: Path) -> Iterator[tuple[Path, str, int]]:
         h = hashlib.sha256()
         size = 0
         with os.fdopen(fd, "wb") as out:
-            while chunk := stream.read(CHUNK):
+            while length is None or size < length:
+                chunk = stream.read(CHUNK if length is None else min(CHUNK, length - size))
+                if not chunk:
+                    break
                 meter.feed(chunk)
                 h.update(chunk)
                 size += len(chunk)
@@ -398,13 +403,13 @@ def spooled_body(stream, directory: Path) -> Iterator[tuple[Path, str, int]]:
             path.unlink()
 
 
-def store_upload(svc: Services, name: str, stream, policy: str) -> DatasetInfo:
+def store_upload(svc: Services, name: str, stream, policy: str, length: int | None = None) -> DatasetInfo:
     """Validate and store an upload under `name`; nothing is left behind when it is refused."""
     check_dataset_name(name)
     root = svc.settings.datasets_dir
     if (root / name).exists() or (root / name).is_symlink():
         raise dataset_error(DATASET_ALREADY_EXISTS, f"dataset {name!r} already exists")
-    with spooled_body(stream, root) as (path, sha256, size):
+    with spooled_body(stream, root, length) as (path, sha256, size):
         if size == 0:
             raise invalid_request("the request body is empty; send the dataset as JSON Lines, one row a line")
         tokenizer, label = inspection_tokenizer(svc)

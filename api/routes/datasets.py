@@ -30,6 +30,7 @@ from api.datasets import (
 from api.errors import UNSUPPORTED_MEDIA_TYPE, ApiError
 from api.http import json_response, query_int, services
 from api.request_bounds import PageBudget
+from api.routes.training import admission_slot
 from kiln_train.data.ingestion_receipt import POLICIES
 from kiln_train.errors import invalid_request
 
@@ -76,7 +77,9 @@ def upload() -> Response:
     if not name:
         raise invalid_request("query parameter name is required: POST /v1/datasets?name=NAME")
     policy = _policy("fail")
-    info = store_upload(services(), name, request.stream, policy)
+    svc = services()
+    with admission_slot(svc):  # spooling, parsing and tokenizing: a submission's cost (/health stays fast)
+        info = store_upload(svc, name, request.stream, policy, request.content_length)
     return json_response(info, status=201)
 
 
@@ -113,8 +116,10 @@ def inspect_stored(dataset: str) -> Response:
     policy = _policy("skip")
     offset, limit = _page()
     tokenizer, label = inspection_tokenizer(svc)
-    inspection = inspect_file(path, tokenizer, policy, dataset, PageBudget(offset, limit))
-    return json_response(inspect_response(inspection, tokenizer, label, offset, limit))
+    with admission_slot(svc):
+        inspection = inspect_file(path, tokenizer, policy, dataset, PageBudget(offset, limit))
+        answer = inspect_response(inspection, tokenizer, label, offset, limit)
+    return json_response(answer)
 
 
 @bp.post("/v1/data/inspect")
@@ -126,8 +131,9 @@ def inspect_body() -> Response:
     offset, limit = _page()
     tokenizer, label = inspection_tokenizer(svc)
     with (
+        admission_slot(svc),
         tempfile.TemporaryDirectory(prefix="kiln-inspect-") as scratch,
-        spooled_body(request.stream, Path(scratch)) as (path, _sha256, _size),
+        spooled_body(request.stream, Path(scratch), request.content_length) as (path, _sha256, _size),
     ):
         inspection = inspect_file(path, tokenizer, policy, "request body", PageBudget(offset, limit))
         answer = inspect_response(inspection, tokenizer, label, offset, limit)

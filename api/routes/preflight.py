@@ -6,6 +6,7 @@ from flask import Blueprint, Response
 
 from api.http import json_body, json_response, services
 from api.preflight import preflight_sft
+from api.routes.training import admission_slot
 
 bp = Blueprint("preflight", __name__)
 
@@ -13,5 +14,8 @@ bp = Blueprint("preflight", __name__)
 @bp.post("/v1/train/sft/preflight")
 def preflight() -> Response:
     """The plan a submission of this body would be admitted with, or the error it would get."""
-    body, _raw = json_body()
-    return json_response(preflight_sft(services(), body))
+    svc = services()
+    with admission_slot(svc):  # the whole admission but the commit: a submission's cost
+        body, _raw = json_body()
+        answer = preflight_sft(svc, body)
+    return json_response(answer)

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from api import request_bounds
+from api import create_app, request_bounds
 from api.request_bounds import MAX_LINE_BYTES, LineMeter
 from kiln_train.errors import KilnError
-from tests.api.conftest import example, snapshot
+from tests.api.conftest import example, make_settings, snapshot
 
 NDJSON = {"Content-Type": "application/x-ndjson"}
 
@@ -64,3 +64,61 @@ def test_an_inspector_page_ends_before_its_pieces_pass_the_budget(client, runner
     alone = client.post("/v1/data/inspect", data=body, headers=NDJSON).get_json()
     assert len(alone["rows"]) == 1 and alone["rows"][0]["pieces"] is None and alone["has_more"]
     assert alone["rows"][0]["facts"] == full["rows"][0]["facts"]
+
+
+def _send(client, method: str, route: str, kind: str | None, row: bytes):
+    if kind == "ndjson":
+        return getattr(client, method)(route, data=row, headers=NDJSON)
+    if kind == "json":
+        return getattr(client, method)(route, json={"examples": [example(0)], "config": {}})
+    return getattr(client, method)(route)
+
+
+@pytest.mark.parametrize(
+    ("method", "route", "kind"),
+    [
+        ("post", "/v1/datasets?name=busy.jsonl", "ndjson"),
+        ("post", "/v1/data/inspect", "ndjson"),
+        ("get", "/v1/datasets/stored.jsonl/inspect", None),
+        ("post", "/v1/train/sft/preflight", "json"),
+        ("post", "/v1/train/sft", "json"),
+    ],
+)
+def test_tokenizing_routes_take_an_admission_slot(
+    method, route, kind, app, client, runner, engine, broker, storage
+):
+    """With every slot held, each route that parses and tokenizes rows answers 503 at once (so the
+    threads and cores left keep /health fast) and writes nothing; with a slot free it is answered."""
+    row = json.dumps(example(0)).encode() + b"\n"
+    assert client.post("/v1/datasets?name=stored.jsonl", data=row, headers=NDJSON).status_code == 201
+    slots = app.extensions["kiln"].admission_slots
+    held = [slots.try_acquire() for _ in range(slots.count)]
+    try:
+        before = snapshot(engine, broker, storage)
+        answer = _send(client, method, route, kind, row)
+        assert answer.status_code == 503, answer.get_json()
+        assert answer.get_json()["error"]["code"] == "admission_busy" and answer.headers["Retry-After"] == "2"
+        assert snapshot(engine, broker, storage) == before
+    finally:
+        for slot in held:
+            slots.release(slot)
+    assert _send(client, method, route, kind, row).status_code in (200, 201)
+
+
+def test_a_body_of_exactly_the_size_limit_is_stored(storage, db_url, engine, broker, runner):
+    """Under gunicorn (`wsgi.input_terminated`) the stream is cut at server.max_request_mb and one
+    read past a body of exactly that size is a 413: the upload reads Content-Length bytes, no more."""
+    app = create_app(make_settings(storage, db_url, broker.queue, server={"max_request_mb": 1}))
+    row = json.dumps(example(0)).encode() + b"\n"
+    body = row * ((1 << 20) // len(row))
+    body += b" " * ((1 << 20) - len(body))
+    gunicorn_like = {"wsgi.input_terminated": True}
+    try:
+        client = app.test_client()
+        for route, status in (("/v1/data/inspect", 200), ("/v1/datasets?name=full.jsonl", 201)):
+            answer = client.post(route, data=body, headers=NDJSON, environ_overrides=gunicorn_like)
+            assert answer.status_code == status, (route, answer.get_json())
+        over = client.post("/v1/datasets?name=over.jsonl", data=body + b" ", headers=NDJSON)
+        assert over.status_code == 413 and over.get_json()["error"]["code"] == "training_request_too_large"
+    finally:
+        app.extensions["kiln"].close()
