@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -352,6 +353,9 @@ def _run_demo_locked(root: Path, logs: Path, data: Path, preset: str, epochs: in
     ensure_model(model_dir, preset)
     timer.lap("model")
     db_url = f"sqlite:///{root / 'kiln.db'}"
+    if not (root / "kiln.db").exists():
+        _say(f"initialising the job database {root / 'kiln.db'}")
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # not a line per migration
     upgrade_database(db_url)
     cancel_leftovers(db_url)
     name = ADAPTER_PREFIX + datetime.now(UTC).strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)

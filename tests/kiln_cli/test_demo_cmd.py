@@ -119,11 +119,14 @@ def test_twice_in_a_row_and_over_a_half_built_model(tmp_path):
 
     first, first_s = run_demo(root)
     assert f"{half_built} is incomplete (an interrupted build); rebuilding it" in first
+    assert f"initialising the job database {root}/kiln.db" in first
+    assert "alembic.runtime.migration" not in first  # no line per migration
     first_name = assert_finished_with_receipt(first, root)
     assert_nothing_left(root)
 
     second, second_s = run_demo(root)
-    assert "building a random" not in second  # the finished model is reused
+    assert "building a random" not in second  # the finished model is reused, and says so
+    assert f"reusing the random checkpoint in {root}/models/kiln-tiny (built on the first run)" in second
     second_name = assert_finished_with_receipt(second, root)
     assert second_name != first_name
     assert_nothing_left(root)
