@@ -128,7 +128,7 @@ def parse_export_request(body: object) -> HfSftExportRequest:
     try:
         request = HfSftExportRequest.model_validate(body)
     except ValidationError as exc:
-        raise invalid_request(describe_validation_error(exc)) from None
+        raise invalid_request(describe_validation_error(exc, model=HfSftExportRequest)) from None
     if request.input_adapter is not None:
         try:
             check_adapter_name(request.input_adapter)

@@ -165,6 +165,16 @@ def validation_line(evaluation: dict) -> str:
 # ----- admissions, jobs, receipts -----------------------------------------------------------
 
 
+def model_text(model: dict) -> str:
+    """The model a job trains on; a random checkpoint Kiln drew says so."""
+    random = model.get("random_init")
+    if random:
+        return (
+            f"{model['path']} (a random {random.get('preset')} checkpoint: the mechanics, not a useful model)"
+        )
+    return str(model["path"])
+
+
 def describe_admission(admission: dict, replayed: bool) -> None:
     header = f"job {admission['job_id']} {admission['state']}"
     click.echo(header + (" (Idempotency-Key replay of an earlier identical request)" if replayed else ""))
@@ -179,6 +189,7 @@ def describe_admission(admission: dict, replayed: bool) -> None:
                 + (f" ({segments} gradient-checkpoint segment(s))" if segments else ""),
             ),
             ("memory estimate", f"{admission['memory_estimate_gb']:g} GiB"),
+            *([("model", model_text(admission["model"]))] if admission.get("model") else []),
         ]
     )
     if admission.get("message"):
@@ -374,6 +385,8 @@ def job_pairs(detail: dict) -> list[tuple[str, str]]:
         ("finished", format_unix_ms(detail.get("finished_unix_ms"))),
         ("elapsed", format_seconds(detail.get("elapsed_secs"))),
     ]
+    if detail.get("model"):
+        pairs.append(("model", model_text(detail["model"])))
     if data:
         where = data.get("dataset_path") or "inline"
         pairs.append(

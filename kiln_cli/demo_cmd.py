@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -38,6 +39,7 @@ import click
 from kiln.demo import DEMO_RUN
 from kiln_cli.client_view import TERMINAL_STATES
 from kiln_cli.http_client import ApiClient, ApiError, ApiUnreachable, Connection, quote_segment
+from kiln_cli.stack_lock import stack_lock
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_DATA = REPO_ROOT / "examples" / "demo.jsonl"
@@ -169,12 +171,21 @@ def model_is_complete(model_dir: Path) -> bool:
     return all((model_dir / name).is_file() for name in MODEL_FILES)
 
 
+def describe_preset(preset: str) -> str:
+    """`preset small (hidden 256, 8 layers, full vocabulary)`: the shape a preset draws."""
+    from kiln_train.model.tiny import PRESETS
+
+    shape = PRESETS[preset]
+    return f"preset {preset} (hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, full vocabulary)"
+
+
 def ensure_model(model_dir: Path, preset: str) -> None:
     """Build the random checkpoint once per root, atomically (staging directory + rename)."""
     from kiln_train.data.packaged_tokenizer import cached_tokenizer
     from kiln_train.model.tiny import write_tiny_checkpoint
 
     if model_is_complete(model_dir):
+        _say(f"reusing the random checkpoint in {model_dir} (built on the first run)")
         return
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     for stale in model_dir.parent.glob(f".{model_dir.name}.staging-*"):
@@ -182,7 +193,9 @@ def ensure_model(model_dir: Path, preset: str) -> None:
     if model_dir.exists():
         _say(f"{model_dir} is incomplete (an interrupted build); rebuilding it")
         shutil.rmtree(model_dir)
-    _say(f"building a tiny random Qwen3.5 checkpoint ({preset}) in {model_dir} ...")
+    _say(
+        f"building a random Qwen3.5 checkpoint, {describe_preset(preset)}, in {model_dir} (once per root) ..."
+    )
     staging = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.staging-", dir=model_dir.parent))
     try:
         write_tiny_checkpoint(staging, preset=preset, seed=0, tokenizer=cached_tokenizer())
@@ -309,37 +322,17 @@ def run_demo(root: Path, data: Path, preset: str, epochs: int) -> int:
     root = root.resolve()
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    with _root_lock(root):
-        return _run_demo_locked(root, logs, data, preset, epochs)
+    port = _free_port()
+    # One stack per root: another demo or a `kiln up` on it would share its store and broker
+    # and could take this demo's job to a different model (kiln_cli/stack_lock.py).
+    with stack_lock(root, "kiln demo", f"http://127.0.0.1:{port}/"):
+        return _run_demo_locked(root, logs, data, preset, epochs, port)
 
 
-@contextlib.contextmanager
-def _root_lock(root: Path) -> Iterator[None]:
-    """One demo per root at a time (they would share one SQLite store and broker, and each would
-    take the other's job for a leftover); the kernel drops the lock when the holder dies."""
-    import fcntl
-
-    with open(root / "demo.lock", "a+") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            holder = lock.read().strip() or "another process"
-            raise click.ClickException(
-                f"another demo is running in {root} ({holder}); wait for it to finish or pass --root DIR"
-            ) from None
-        lock.seek(0)
-        lock.truncate()
-        lock.write(f"pid {os.getpid()}\n")
-        lock.flush()
-        yield
-
-
-def _run_demo_locked(root: Path, logs: Path, data: Path, preset: str, epochs: int) -> int:
+def _run_demo_locked(root: Path, logs: Path, data: Path, preset: str, epochs: int, port: int) -> int:
     from kiln.store import upgrade_database
 
     model_dir = root / "models" / f"kiln-{preset}"
-    port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
     env.update(
         {
@@ -356,8 +349,13 @@ def _run_demo_locked(root: Path, logs: Path, data: Path, preset: str, epochs: in
             "PYTHONUNBUFFERED": "1",
         }
     )
+    timer = Stopwatch()
     ensure_model(model_dir, preset)
+    timer.lap("model")
     db_url = f"sqlite:///{root / 'kiln.db'}"
+    if not (root / "kiln.db").exists():
+        _say(f"initialising the job database {root / 'kiln.db'}")
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # not a line per migration
     upgrade_database(db_url)
     cancel_leftovers(db_url)
     name = ADAPTER_PREFIX + datetime.now(UTC).strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
@@ -371,6 +369,7 @@ def _run_demo_locked(root: Path, logs: Path, data: Path, preset: str, epochs: in
         procs["serve"] = _spawn(["serve"], env, logs / "serve.log")
         procs["worker"] = _spawn(["worker"], env, logs / "worker.log")
         _wait_for_runner(port, procs, logs)
+        timer.lap("api and worker start")
         args = [
             sys.executable, "-m", "kiln_cli.main", "train", "sft",
             "--url", f"http://127.0.0.1:{port}",
@@ -389,6 +388,7 @@ def _run_demo_locked(root: Path, logs: Path, data: Path, preset: str, epochs: in
         # leaving it to a server that is about to stop.
         submit = subprocess.Popen(args, env=env, start_new_session=True, preexec_fn=_die_with_parent)
         code = submit.wait()
+        timer.lap("training")
     except Interrupted as exc:
         interrupted = exc
     finally:
@@ -405,4 +405,42 @@ def _run_demo_locked(root: Path, logs: Path, data: Path, preset: str, epochs: in
         raise interrupted
     if code == 0:
         _say(f"demo finished: adapter in {root / 'adapters' / name}")
+        _say(trained_on(root / "adapters" / name / "train_receipt.json"))
+        _say(f"demo time: {timer}")
     return code
+
+
+class Stopwatch:
+    """Named laps of the demo, printed as `model 41s, api and worker start 12s, training 1m 30s`."""
+
+    def __init__(self) -> None:
+        self.laps: list[tuple[str, float]] = []
+        self.last = time.monotonic()
+
+    def lap(self, name: str) -> None:
+        now = time.monotonic()
+        self.laps.append((name, now - self.last))
+        self.last = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{name} {_duration(s)}" for name, s in self.laps)
+
+
+def _duration(seconds: float) -> str:
+    s = round(seconds)
+    return f"{s // 60}m {s % 60}s" if s >= 60 else f"{s}s"
+
+
+def trained_on(receipt_path: Path) -> str:
+    """The summary's line naming the model the demo's job ran on, from its receipt."""
+    try:
+        model = json.loads(receipt_path.read_text(encoding="utf-8"))["model"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"trained on: unknown (no readable receipt at {receipt_path})"
+    random = model.get("random_init")
+    if random:
+        return (
+            f"trained on {model.get('path')}: a random {random.get('preset')} checkpoint, so the run shows "
+            "the mechanics, not a useful model (kiln up --model-path DIR trains a real Qwen3.5)"
+        )
+    return f"trained on {model.get('path')}"

@@ -53,6 +53,14 @@ def health_group(cli: click.Group) -> click.Group:
 
 # ----- kiln serve ---------------------------------------------------------------------------
 
+# `--root` of kiln serve and kiln worker, as kiln up and kiln demo spell it.
+root_option = click.option(
+    "--root",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Storage root (storage.root): database, broker, datasets, adapters, models, logs.",
+)
+
 
 def bind_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -175,6 +183,7 @@ def ensure_dirs_or_exit(command: str, settings: Settings) -> None:
 def register_serve(cli: click.Group) -> None:
     @cli.command("serve")
     @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="Path to kiln.toml.")
+    @root_option
     @click.option("--host", default=None, help="Bind address (server.host).")
     @click.option("--port", type=int, default=None, help="TCP port (server.port).")
     @click.option("--workers", type=int, default=None, help="gunicorn worker processes (server.workers).")
@@ -187,6 +196,7 @@ def register_serve(cli: click.Group) -> None:
     @click.option("--upgrade-db", is_flag=True, help="Run the database migrations before serving.")
     def serve_command(
         config_file: str | None,
+        root: str | None,
         host: str | None,
         port: int | None,
         workers: int | None,
@@ -195,6 +205,7 @@ def register_serve(cli: click.Group) -> None:
     ) -> None:
         """Serve the HTTP api (refuses a non-loopback bind without tokens)."""
         flags = {
+            "storage.root": root,
             "server.host": host,
             "server.port": port,
             "server.workers": workers,

@@ -48,6 +48,7 @@ from kiln_cli.service_cmd import (
     ensure_dirs_or_exit,
     redact_url,
 )
+from kiln_cli.stack_lock import stack_lock
 
 POLL_S = 0.5
 LOG_TAIL = 3000
@@ -145,6 +146,14 @@ def ui_address(host: str, port: int) -> str:
 
 
 def run_up(settings: Settings, config_file: str | None, preset: str) -> int:
+    address = ui_address(settings.server.host, settings.server.port)
+    # One stack per root (kiln_cli/stack_lock.py): before anything is built or bound, so a second
+    # `kiln up` or a demo on this root is told where the running one answers.
+    with stack_lock(settings.storage_root.resolve(), "kiln up", address):
+        return _run_up_locked(settings, config_file, preset, address)
+
+
+def _run_up_locked(settings: Settings, config_file: str | None, preset: str, address: str) -> int:
     model = prepare(settings, preset)
     logs = settings.storage_root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -160,7 +169,6 @@ def run_up(settings: Settings, config_file: str | None, preset: str) -> int:
         }
     )
     config = ["--config", config_file] if config_file else []
-    address = ui_address(settings.server.host, settings.server.port)
     procs: dict[str, subprocess.Popen] = {}
     try:
         _say(f"starting kiln serve ({address}) and kiln worker ({model}); logs in {logs}")

@@ -13,7 +13,7 @@ import click
 
 from kiln.settings import ConfigError
 from kiln_cli.config_cmd import load_or_exit
-from kiln_cli.service_cmd import check_schema, database_errors, ensure_dirs_or_exit, health_group
+from kiln_cli.service_cmd import check_schema, database_errors, ensure_dirs_or_exit, health_group, root_option
 
 
 def register(cli: click.Group) -> None:
@@ -24,16 +24,23 @@ def register(cli: click.Group) -> None:
 def register_worker(cli: click.Group) -> None:
     @cli.command("worker")
     @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="Path to kiln.toml.")
+    @root_option
     @click.option(
         "--model-path", default=None, help="Hugging Face Qwen3.5 checkpoint directory (model.path)."
     )
     @click.option("--device", default=None, help="cpu, cuda or cuda:N (model.device).")
     @click.option("--upgrade-db", is_flag=True, help="Run the database migrations before starting.")
     def worker_command(
-        config_file: str | None, model_path: str | None, device: str | None, upgrade_db: bool
+        config_file: str | None,
+        root: str | None,
+        model_path: str | None,
+        device: str | None,
+        upgrade_db: bool,
     ) -> None:
-        """Run the resident training worker: one process, one device, one job at a time."""
-        loaded = load_or_exit(config_file, cli={"model.path": model_path, "model.device": device})
+        """Run the resident training worker: one process, one device, one job at a time. Another
+        worker on a running stack's root (and its settings) adds capacity to it."""
+        flags = {"storage.root": root, "model.path": model_path, "model.device": device}
+        loaded = load_or_exit(config_file, cli=flags)
         settings = loaded.settings
         ensure_dirs_or_exit("worker", settings)
         try:

@@ -105,6 +105,7 @@ def assert_finished_with_receipt(output: str, root: Path) -> str:
         "status             success",
         "steps              30/30",
         f"adapter path  {adapter}",
+        f"trained on {root}/models/kiln-tiny: a random tiny checkpoint, so the run shows the mechanics",
     ):
         assert line in output, (line, output[-3000:])
     return adapter.name
@@ -118,11 +119,14 @@ def test_twice_in_a_row_and_over_a_half_built_model(tmp_path):
 
     first, first_s = run_demo(root)
     assert f"{half_built} is incomplete (an interrupted build); rebuilding it" in first
+    assert f"initialising the job database {root}/kiln.db" in first
+    assert "alembic.runtime.migration" not in first  # no line per migration
     first_name = assert_finished_with_receipt(first, root)
     assert_nothing_left(root)
 
     second, second_s = run_demo(root)
-    assert "building a tiny random" not in second  # the finished model is reused
+    assert "building a random" not in second  # the finished model is reused, and says so
+    assert f"reusing the random checkpoint in {root}/models/kiln-tiny (built on the first run)" in second
     second_name = assert_finished_with_receipt(second, root)
     assert second_name != first_name
     assert_nothing_left(root)
@@ -139,7 +143,11 @@ def test_ctrl_c_cancels_the_job_stops_everything_and_the_next_run_is_clean(tmp_p
     # A second demo in the same root (another terminal) is refused and leaves the first alone.
     second = subprocess.run(demo_command(root), env=clean_env(), capture_output=True, text=True, timeout=60)
     assert second.returncode == 1, second.stdout + second.stderr
-    assert f"another demo is running in {root} (pid {proc.pid})" in second.stderr
+    said = " ".join(second.stderr.split())
+    assert (
+        f"a Kiln stack is already running on {root}: `kiln demo` (pid {proc.pid}) at http://127.0.0.1:"
+        in said
+    )
     assert proc.poll() is None
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the foreground group
     assert proc.wait(timeout=120) == 130, log.read_text()[-4000:]

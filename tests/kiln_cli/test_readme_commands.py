@@ -29,7 +29,8 @@ def kiln_snippets() -> list[str]:
             out.append(" ".join(span.split()))
         for block in re.findall(r"```(?:bash)?\n(.*?)```", text, re.S):
             for line in block.splitlines():
-                line = line.split(" #")[0].strip()
+                # a command block spells it as run from a fresh clone: `.venv/bin/kiln ...`
+                line = line.split(" #")[0].strip().removeprefix(".venv/bin/")
                 if line.startswith("kiln "):
                     out.append(line.split("|")[0].strip() if " | " in line else line)
     return sorted(set(out))

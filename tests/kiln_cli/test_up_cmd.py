@@ -61,7 +61,10 @@ def test_a_fresh_root_comes_up_stops_on_ctrl_c_and_starts_again(tmp_path):
         wait_for_line(proc, log, "worker ready")
         text = log.read_text()
         assert f"initialising the job database sqlite:///{root}/kiln.db" in text
-        assert f"building a tiny random Qwen3.5 checkpoint (tiny) in {root}/models/kiln-tiny" in text
+        assert (
+            "building a random Qwen3.5 checkpoint, preset tiny (hidden 64, 4 layers, full vocabulary), "
+            f"in {root}/models/kiln-tiny (once per root)"
+        ) in text
         assert f"Kiln UI: http://127.0.0.1:{port}/" in text
         engine = make_engine(f"sqlite:///{root}/kiln.db")
         try:
