@@ -62,7 +62,9 @@ def test_f32_matches_dense_cross_entropy(route):
     assert loss.dtype == torch.float32
     assert abs(loss.item() - ref_loss.item()) <= 1e-6 * abs(ref_loss.item())
     scale = ref_grad.abs().max().item()
-    assert (grad.double() - ref_grad).abs().max().item() <= 1e-6 * scale
+    # 32 f32 ulps of the largest gradient: the softmax sums 9,001 terms, whose rounding depends on
+    # the CPU's vector width (AVX2 and AVX-512 machines land on either side of 8 ulps).
+    assert (grad.double() - ref_grad).abs().max().item() <= 32 * torch.finfo(torch.float32).eps * scale
 
 
 @pytest.mark.parametrize("route", ROUTES)
