@@ -265,6 +265,8 @@ def _prompt_completion(obj: dict, row_sha: str) -> ConvertedRow:
         if not isinstance(value, list):
             if value is None and key == "completion":
                 raise RowRejection(EMPTY_OUTPUT, "completion is missing")
+            if value is None:
+                raise RowRejection(INVALID_FIELD_TYPE, "prompt is missing (a completion needs its prompt)")
             raise RowRejection(
                 INVALID_FIELD_TYPE,
                 f"{key} must be a list of messages (like the other side) or both must be strings, "

@@ -180,6 +180,8 @@ BAD_ROWS = [
     ({"prompt": "x", "completion": ""}, "empty_output", "completion is empty"),
     ({"prompt": [{"role": "user", "content": "x"}], "completion": []}, "empty_output", "empty list"),
     ({"instruction": 5, "output": "y"}, "invalid_field_type", "instruction must be a string, got number"),
+    ({"completion": [{"role": "assistant", "content": "y"}]}, "invalid_field_type", "prompt is missing"),
+    ({"prompt": "x"}, "empty_output", "completion is missing"),
     ({"instruction": "x", "output": "y", "history": [["a"]]}, "invalid_field_type", "history[0]"),
     (
         {"prompt": "x", "completion": [{"role": "assistant", "content": "y"}]},
