@@ -115,7 +115,9 @@ def detect_format(obj) -> str:
         for name, present in (
             (MESSAGES, "messages" in obj),
             (INSTRUCTION, "instruction" in obj),
-            (PROMPT_COMPLETION, any(k in obj for k in PROMPT_COMPLETION_KEYS)),
+            # A `messages` row may carry a `prompt` as metadata (UltraChat's rows do): only a
+            # `completion`, or a `prompt` without `messages`, announces a prompt/completion row.
+            (PROMPT_COMPLETION, "completion" in obj or ("prompt" in obj and "messages" not in obj)),
         )
         if present
     ]
