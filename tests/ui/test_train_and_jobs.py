@@ -111,7 +111,7 @@ def _preflight_shows_the_plan(tab, stack, info: dict, adapter: str) -> None:
     (rejection,) = info["stats"]["rejections"]
     row = page.locator("#preflight-rejected tbody tr")
     expect(row).to_have_count(1)
-    expect(row).to_contain_text("5")
+    expect(row).to_contain_text("5 (line 5)")  # a stored file's row names its line
     expect(row).to_contain_text(rejection["row_sha256"])
     expect(row).to_contain_text("invalid_role")
     body = {
