@@ -29,6 +29,9 @@ class PreflightRejectedRow(_Out):
     row_index: int
     row_sha256: str
     reason: str
+    line: int | None = Field(
+        default=None, description="The row's line in a dataset file (blank lines counted)."
+    )
 
 
 class PreflightMemory(_Out):

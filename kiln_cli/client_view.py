@@ -225,7 +225,8 @@ def describe_preflight(plan: dict) -> None:
         ]
     )
     for row in plan.get("rejected_rows") or []:
-        click.echo(f"  rejected row {row['row_index']} ({row['row_sha256']}): {row['reason']}")
+        where = f" at line {row['line']}" if row.get("line") is not None else ""
+        click.echo(f"  rejected row {row['row_index']}{where} ({row['row_sha256']}): {row['reason']}")
     validation = plan.get("validation")
     if validation:
         source = validation["source"]

@@ -115,7 +115,9 @@ def detect_format(obj) -> str:
         for name, present in (
             (MESSAGES, "messages" in obj),
             (INSTRUCTION, "instruction" in obj),
-            (PROMPT_COMPLETION, any(k in obj for k in PROMPT_COMPLETION_KEYS)),
+            # A `messages` row may carry a `prompt` as metadata (UltraChat's rows do): only a
+            # `completion`, or a `prompt` without `messages`, announces a prompt/completion row.
+            (PROMPT_COMPLETION, "completion" in obj or ("prompt" in obj and "messages" not in obj)),
         )
         if present
     ]
@@ -265,6 +267,8 @@ def _prompt_completion(obj: dict, row_sha: str) -> ConvertedRow:
         if not isinstance(value, list):
             if value is None and key == "completion":
                 raise RowRejection(EMPTY_OUTPUT, "completion is missing")
+            if value is None:
+                raise RowRejection(INVALID_FIELD_TYPE, "prompt is missing (a completion needs its prompt)")
             raise RowRejection(
                 INVALID_FIELD_TYPE,
                 f"{key} must be a list of messages (like the other side) or both must be strings, "

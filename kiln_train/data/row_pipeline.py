@@ -238,7 +238,7 @@ def _label(p: _Pending, enc, limit: LengthRule | None) -> RowOutcome:
             TOKENIZATION_ERROR,
             "no supervised assistant token at a position >= 1 (nothing to learn after the causal shift)",
         )
-    label_ids, dropped = labels.labels, 0
+    label_ids, dropped, supervised = labels.labels, 0, labels.supervised_tokens
     if limit is not None and len(ids) > limit.max_length:
         if limit.truncation == "error":
             return rejected(
@@ -248,14 +248,14 @@ def _label(p: _Pending, enc, limit: LengthRule | None) -> RowOutcome:
             )
         dropped = len(ids) - limit.max_length
         ids, label_ids = ids[: limit.max_length], label_ids[: limit.max_length]
-        if not any(label != IGNORE_INDEX for label in label_ids[1:]):
+        supervised = sum(1 for label in label_ids[1:] if label != IGNORE_INDEX)
+        if not supervised:
             return rejected(
                 ANSWER_TRUNCATED,
                 f"cut to config.max_length {limit.max_length} of {len(enc.ids)} tokens, no supervised "
                 "token is left after position 0 (the prompt fills the limit)",
             )
-    supervised = sum(1 for label in label_ids[1:] if label != IGNORE_INDEX)
-    row = TokenizedRow(p.source.row_index, sha, list(ids), list(label_ids), supervised)
+    row = TokenizedRow(p.source.row_index, sha, ids, label_ids, supervised)
     return RowOutcome(
         p.source.row_index,
         sha,

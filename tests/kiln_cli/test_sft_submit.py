@@ -435,3 +435,15 @@ def test_train_sft_waits_for_a_real_worker_and_prints_the_receipt(tmp_path, tiny
         assert (tmp_path / "x" / adapter / "train_receipt.json").is_file()
     finally:
         stack.close()
+
+
+def test_a_dry_run_of_a_dataset_path_names_each_rejected_rows_line(kiln, server):
+    dataset = server.settings.datasets_dir / f"{name('lines')}.jsonl"
+    alpaca = {"instruction": "Which colour?", "output": "Red."}
+    write_jsonl(dataset, [example(1), "", alpaca, {"instruction": "x", "output": ""}])
+    code, out, err = kiln(
+        "train", "sft", "--data", dataset.name, "--dataset-path", "--invalid-row-policy", "skip",
+        "--rank", "4", "--alpha", "8", "--epochs", "1", "--dry-run",
+    )  # fmt: skip
+    assert code == 0, err
+    assert re.search(r"^  rejected row 3 at line 4 \(sha256:[0-9a-f]{64}\): empty_output$", out, re.M), out

@@ -98,6 +98,18 @@ def _fill_the_form(page, adapter: str) -> None:
     prompts.fill("Say hello:")
 
 
+def test_the_instruction_rows_sample_is_converted_and_planned(tab, stack):
+    page = tab.page
+    page.goto("/#/train")
+    page.check("#sft-source-sample-instruction")
+    expect(page.locator("#sft-dataset-sample-instruction-note")).to_be_visible()
+    expect(page.locator("#sft-dataset-sample-note")).to_be_hidden()
+    page.click("#sft-preflight")
+    result = page.locator("#preflight-result")
+    expect(result).to_have_attribute("data-status", "200")
+    expect(result).to_contain_text("10 kept, 0 rejected (of 10 read)")
+
+
 def _preflight_shows_the_plan(tab, stack, info: dict, adapter: str) -> None:
     """The preflight shows the plan the api gives for the same body, and the rejected row."""
     page = tab.page
@@ -110,7 +122,7 @@ def _preflight_shows_the_plan(tab, stack, info: dict, adapter: str) -> None:
     (rejection,) = info["stats"]["rejections"]
     row = page.locator("#preflight-rejected tbody tr")
     expect(row).to_have_count(1)
-    expect(row).to_contain_text("5")
+    expect(row).to_contain_text("5 (line 5)")  # a stored file's row names its line
     expect(row).to_contain_text(rejection["row_sha256"])
     expect(row).to_contain_text("invalid_role")
     body = {

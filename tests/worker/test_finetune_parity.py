@@ -57,3 +57,46 @@ def test_finetune_publishes_what_a_service_job_publishes(client, runtime, settin
         m1 = read_json(tmp_path / basename / "checkpoint_manifest.json")
         m2 = read_json(service / basename / "checkpoint_manifest.json")
         assert [p for p in json_diff(m1, m2) if p not in VOLATILE_MANIFEST] == [], basename
+
+
+@pytest.mark.slow
+def test_a_job_of_converted_and_cut_rows_is_the_library_run_of_the_same_rows(
+    client, runtime, settings, resident, tmp_path
+):
+    """Formats and the length rule survive the worker's re-verification: the worker re-ingests
+    the pinned rows under the pinned max_length/truncation and finds the admitted corpus."""
+    name = unique_name("formats")
+    rows = [
+        {
+            "instruction": "Which colour is listed?",
+            "input": "red, blue",
+            "output": "Red and blue, in that order.",
+        },
+        {
+            "prompt": [{"role": "user", "content": "Colour?"}],
+            "completion": [{"role": "assistant", "content": "Gold."}],
+        },
+        {"prompt": "The sky is", "completion": " blue on a clear day, grey under cloud."},
+    ]
+    config = {"epochs": 1, "seed": 3, "output_name": name, "max_length": 24, "truncation": "right"}
+    body = {**sft_body(1, optimizer={"kind": "adam_w"}, **config), "examples": rows}
+    job_id = submit(client, body)
+    assert runtime.run_job(job_id) == "completed"
+    theirs = read_json(settings.adapters_dir / name / "train_receipt.json")
+    counts = theirs["data"]["sft_ingestion"]["row_counts"]
+    assert counts["rows_per_format"] == {
+        "instruction": 1,
+        "prompt_completion": 1,
+        "text_prompt_completion": 1,
+    }
+    assert counts["rows_truncated"] >= 1 and counts["tokens_dropped"] >= counts["rows_truncated"]
+    assert theirs["requested_config"] == body["config"] and theirs["config"]["truncation"] == "right"
+
+    result = finetune(resident, rows, body["config"], tmp_path)
+    assert result.status == "success", result.failure_message
+    ours = read_json(result.receipt_path)
+    assert [p for p in json_diff(ours, theirs) if p not in VOLATILE_RECEIPT] == []
+    adapter = "adapter_model.safetensors"
+    assert (result.adapter_path / adapter).read_bytes() == (
+        settings.adapters_dir / name / adapter
+    ).read_bytes()

@@ -1040,7 +1040,7 @@ function renderPreflight(box, plan) {
       el("thead", {}, el("tr", {}, el("th", { text: "Row" }), el("th", { text: "Hash" }), el("th", { text: "Reason" }))));
     const tbody = el("tbody");
     for (const r of plan.rejected_rows) {
-      tbody.append(el("tr", {}, el("td", { class: "num", text: String(r.row_index) }), el("td", {}, el("span", { class: "mono", text: r.row_sha256 })), el("td", { text: r.reason })));
+      tbody.append(el("tr", {}, el("td", { class: "num", text: r.line != null ? `${r.row_index} (line ${r.line})` : String(r.row_index) }), el("td", {}, el("span", { class: "mono", text: r.row_sha256 })), el("td", { text: r.reason })));
     }
     table.append(tbody);
     box.append(el("h3", { text: "Rejected rows (skipped, recorded in the receipt)" }), el("div", { class: "scroll" }, table));

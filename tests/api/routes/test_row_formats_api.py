@@ -58,3 +58,21 @@ def test_a_format_rejection_is_a_row_rejection_not_a_broken_request(client, runn
     skip = {"examples": rows, "config": {"epochs": 1, "invalid_row_policy": "skip"}}
     plan = client.post("/v1/train/sft/preflight", json=skip).get_json()
     assert [(r["row_index"], r["reason"]) for r in plan["rejected_rows"]] == [(2, "unsupported_format")]
+
+
+def test_a_dataset_files_rejections_name_their_line_in_preflight_and_admission(client, settings, runner):
+    data = settings.datasets_dir / "lines.jsonl"
+    bad = {"instruction": "x", "output": "y", "source": "web"}
+    data.write_text(
+        f"{json.dumps(example(0))}\n\n\n{json.dumps(bad)}\n{json.dumps(example(1))}\n", encoding="utf-8"
+    )
+    body = {"dataset_path": "lines.jsonl", "config": {"epochs": 1, "invalid_row_policy": "skip"}}
+    plan = client.post("/v1/train/sft/preflight", json=body)
+    assert plan.status_code == 200, plan.get_json()
+    (row,) = plan.get_json()["rejected_rows"]
+    assert (row["row_index"], row["line"], row["reason"]) == (2, 4, "unknown_field")
+    refused = client.post("/v1/train/sft", json={**body, "config": {"epochs": 1}})
+    assert refused.status_code == 400
+    message = refused.get_json()["error"]["message"]
+    assert message.startswith("Invalid training request: line 4: SFT row 2 (sha256:")
+    assert "rejected as unknown_field: 'source' beside" in message

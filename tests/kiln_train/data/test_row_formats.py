@@ -180,6 +180,8 @@ BAD_ROWS = [
     ({"prompt": "x", "completion": ""}, "empty_output", "completion is empty"),
     ({"prompt": [{"role": "user", "content": "x"}], "completion": []}, "empty_output", "empty list"),
     ({"instruction": 5, "output": "y"}, "invalid_field_type", "instruction must be a string, got number"),
+    ({"completion": [{"role": "assistant", "content": "y"}]}, "invalid_field_type", "prompt is missing"),
+    ({"prompt": "x"}, "empty_output", "completion is missing"),
     ({"instruction": "x", "output": "y", "history": [["a"]]}, "invalid_field_type", "history[0]"),
     (
         {"prompt": "x", "completion": [{"role": "assistant", "content": "y"}]},
@@ -237,6 +239,17 @@ def test_every_rejection_has_its_reason_and_line(qwen_tokenizer, tmp_path, row, 
     inline = list(iter_example_outcomes([GOOD, row], tokenizer=qwen_tokenizer))
     assert (inline[1].kept, inline[1].reason, inline[1].line) == (False, reason, None)
     assert inline[1].row_sha256 == entry["row_sha256"]
+
+
+def test_a_messages_row_with_a_prompt_column_stays_a_messages_row(qwen_tokenizer):
+    """UltraChat-style rows carry `prompt` and `prompt_id` beside `messages`: metadata, ignored as
+    every other key of a `messages` row; only a `completion` makes the line ambiguous."""
+    ultrachat = {"prompt": "Q", "prompt_id": "abc", "messages": GOOD["messages"]}
+    out = one(qwen_tokenizer, ultrachat)
+    assert out.kept and out.format == "messages"
+    assert out.row_sha256 == one(qwen_tokenizer, GOOD).row_sha256  # parsed identity, as before formats
+    both = one(qwen_tokenizer, {**ultrachat, "completion": "A"})
+    assert (both.kept, both.reason) == (False, "ambiguous_format")
 
 
 def test_tool_call_only_assistant_turn_stays_valid(qwen_tokenizer):

@@ -300,3 +300,15 @@ def test_a_validation_dataset_path_is_read_under_the_datasets_directory(qwen_tok
                 _spec(dataset_path=path), ingestion, tokenizer=qwen_tokenizer, seed=1, datasets_root=datasets
             )
         assert fragment in info.value.detail
+
+
+def test_a_holdout_of_converted_rows_keeps_their_format_counts(qwen_tokenizer):
+    rows = [{"instruction": f"Question {i}?", "output": f"Answer {i}."} for i in range(10)]
+    converted = ingest_examples(rows, tokenizer=qwen_tokenizer)
+    train, validation = prepare_validation(
+        _spec(holdout_percent=20), converted, tokenizer=qwen_tokenizer, seed=3
+    )
+    validate_ingestion_receipt(train.receipt)
+    assert (train.receipt["rows_kept"], validation.part["rows_kept"]) == (8, 2)
+    # counted when the rows were kept, before the split: the format counts cover both sides
+    assert train.receipt["row_counts"]["rows_per_format"] == {"instruction": 10}
