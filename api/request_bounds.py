@@ -11,6 +11,8 @@ pieces.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
 from kiln_train.data.ingestion import RowOutcome
@@ -96,3 +98,12 @@ class PageBudget:
 def shows_pieces(outcome: RowOutcome) -> bool:
     """Whether an answer carries the row's token pieces (not for a row past the whole budget)."""
     return piece_cost(outcome) <= INSPECT_PIECES_MAX
+
+
+def yielding(rows: Iterable[RowOutcome]) -> Iterator[RowOutcome]:
+    """`rows`, giving up the GIL between two: parsing and tokenizing hold it, and a /health probe
+    served by another thread of the same worker would otherwise wait up to the interpreter's
+    switch interval at each of its own steps (docs/security.md#health-under-load)."""
+    for row in rows:
+        yield row
+        time.sleep(0)
