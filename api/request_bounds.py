@@ -11,6 +11,7 @@ pieces.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -107,3 +108,18 @@ def yielding(rows: Iterable[RowOutcome]) -> Iterator[RowOutcome]:
     for row in rows:
         yield row
         time.sleep(0)
+
+
+def check_example_sizes(examples: list | None, field: str) -> None:
+    """Inline examples are rows too: each may take at most MAX_LINE_BYTES as compact JSON, the
+    bound of a JSON Lines row, so a 64 MiB body of one example cannot cost gigabytes when it is
+    tokenized (400 naming the example)."""
+    for index, example in enumerate(examples or []):
+        size = len(
+            json.dumps(example, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
+        )
+        if size > MAX_LINE_BYTES:
+            raise invalid_request(
+                f"{field}[{index}] is {size} bytes as JSON; one example may take at most {MAX_LINE_BYTES}",
+                hint=f"Keep each example under {MAX_LINE_BYTES // 1024} KiB; docs/security.md#what-a-request-may-cost.",
+            )

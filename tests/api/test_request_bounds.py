@@ -139,3 +139,36 @@ def test_a_busy_answer_to_a_large_body_waits_in_proportion_to_it(app, client, ru
             slots.release(slot)
     assert large.status_code == 503 and large.headers["Retry-After"] == "4"
     assert small.status_code == 503 and small.headers["Retry-After"] == "2"
+
+
+def _big_example() -> dict:
+    big = example(0)
+    big["messages"][-1]["content"] = "y" * MAX_LINE_BYTES
+    return big
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "where"),
+    [
+        ("/v1/train/sft", {"examples": [example(0), _big_example()], "config": {}}, "examples[1]"),
+        ("/v1/train/sft/preflight", {"examples": [_big_example()], "config": {}}, "examples[0]"),
+        (
+            "/v1/train/sft",
+            {"examples": [example(0)], "validation": {"examples": [_big_example()]}, "config": {}},
+            "validation.examples[0]",
+        ),
+        (
+            "/v1/train/hf/sft/exports",
+            {"name": "big", "examples": [_big_example()], "config": {}},
+            "examples[0]",
+        ),
+    ],
+)
+def test_an_inline_example_is_bounded_like_a_row(route, body, where, client, runner, engine, broker, storage):
+    before = snapshot(engine, broker, storage)
+    answer = client.post(route, json=body)
+    assert answer.status_code == 400, answer.get_json()
+    error = answer.get_json()["error"]
+    assert error["code"] == "training_invalid_request"
+    assert f"{where} is " in error["message"] and f"at most {MAX_LINE_BYTES}" in error["message"], error
+    assert snapshot(engine, broker, storage) == before
