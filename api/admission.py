@@ -33,6 +33,7 @@ from sqlalchemy.orm import Session
 from api.admission_checks import (
     IdempotencyKey,
     check_dataset_path_length,
+    check_example_lengths,
     check_idempotency_key,
     request_fingerprint,
 )
@@ -89,6 +90,7 @@ def parse_submission(body: object) -> SftRequest:
     request = parse_sft_request(body)
     check_request_names(request.config)
     check_dataset_path_length(request)
+    check_example_lengths(request)
     return request
 
 

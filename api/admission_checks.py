@@ -10,6 +10,7 @@ import hashlib
 import hmac
 from dataclasses import dataclass
 
+from api.request_bounds import check_example_sizes
 from kiln.store import Admission
 from kiln_train.errors import invalid_request
 from kiln_train.ground.digest import json_sha256
@@ -45,6 +46,14 @@ def check_idempotency_key(key: str | None, scope: str = "") -> IdempotencyKey | 
             f"the Idempotency-Key header must be 1..={IDEMPOTENCY_KEY_MAX} printable ASCII characters"
         )
     return IdempotencyKey(key, scoped_key(key, scope))
+
+
+def check_example_lengths(request: SftRequest) -> None:
+    """Each inline example (training and validation) within the size of one JSON Lines row."""
+    check_example_sizes(request.examples, "examples")
+    check_example_sizes(
+        request.validation.examples if request.validation is not None else None, "validation.examples"
+    )
 
 
 def check_dataset_path_length(request: SftRequest) -> None:

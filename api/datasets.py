@@ -35,7 +35,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError
-from api.request_bounds import LineMeter, PageBudget, shows_pieces, slim
+from api.request_bounds import LineMeter, PageBudget, shows_pieces, slim, yielding
 from api.runner_gate import check_training_template, runner_target
 from api.schemas import ErrorBody
 from api.services import Services
@@ -278,7 +278,9 @@ def inspect_file(
     _quiet_ingestion()
     try:
         stream = iter_jsonl_outcomes(path, tokenizer=tokenizer)
-        outcomes = [o if page is not None and page.take(i, o) else slim(o) for i, o in enumerate(stream)]
+        outcomes = [
+            o if page is not None and page.take(i, o) else slim(o) for i, o in enumerate(yielding(stream))
+        ]
     except OSError as exc:
         raise invalid_request(f"cannot read dataset {locator!r}: {exc.strerror or exc}") from None
     try:

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from api.admission import adapter_conflict, lock_admissions
 from api.errors import TRAINING_NO_RUNNER
 from api.queries import active_jobs_for_adapter
+from api.request_bounds import check_example_sizes
 from api.runner_gate import RunnerTarget, check_training_template, runner_target
 from api.schemas import AdapterInfo
 from api.serializers import adapter_info
@@ -134,6 +135,7 @@ def parse_export_request(body: object) -> HfSftExportRequest:
             check_adapter_name(request.input_adapter)
         except KilnError:
             raise invalid_request(f"input_adapter {request.input_adapter!r} is not an adapter name") from None
+    check_example_sizes(request.examples, "examples")
     return request
 
 

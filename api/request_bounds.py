@@ -11,6 +11,9 @@ pieces.
 
 from __future__ import annotations
 
+import json
+import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
 from kiln_train.data.ingestion import RowOutcome
@@ -96,3 +99,27 @@ class PageBudget:
 def shows_pieces(outcome: RowOutcome) -> bool:
     """Whether an answer carries the row's token pieces (not for a row past the whole budget)."""
     return piece_cost(outcome) <= INSPECT_PIECES_MAX
+
+
+def yielding(rows: Iterable[RowOutcome]) -> Iterator[RowOutcome]:
+    """`rows`, giving up the GIL between two: parsing and tokenizing hold it, and a /health probe
+    served by another thread of the same worker would otherwise wait up to the interpreter's
+    switch interval at each of its own steps (docs/security.md#health-under-load)."""
+    for row in rows:
+        yield row
+        time.sleep(0)
+
+
+def check_example_sizes(examples: list | None, field: str) -> None:
+    """Inline examples are rows too: each may take at most MAX_LINE_BYTES as compact JSON, the
+    bound of a JSON Lines row, so a 64 MiB body of one example cannot cost gigabytes when it is
+    tokenized (400 naming the example)."""
+    for index, example in enumerate(examples or []):
+        size = len(
+            json.dumps(example, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
+        )
+        if size > MAX_LINE_BYTES:
+            raise invalid_request(
+                f"{field}[{index}] is {size} bytes as JSON; one example may take at most {MAX_LINE_BYTES}",
+                hint=f"Keep each example under {MAX_LINE_BYTES // 1024} KiB; docs/security.md#what-a-request-may-cost.",
+            )

@@ -69,3 +69,18 @@ def settle_attempt(
         f"attempt {attempt}, stopped at step {reached_step}, no further than step {furthest} reached before"
     )
     return Settlement(record=record, note=note, retry=stalled < max_attempts, give_up=give_up)
+
+
+def settle_lost(lost, checkpoint_step: int | None, max_attempts: int) -> Settlement:
+    """`settle_attempt` for the reconciler's `LostJob` (`worker/reconciler.py`)."""
+    return settle_attempt(
+        attempt=lost.attempts,
+        releases=lost.releases,
+        start_step=lost.start_step,
+        reached_step=lost.reached_step,
+        checkpoint_step=checkpoint_step,
+        pinned_start=lost.pinned_start,
+        history=list(lost.history),
+        max_attempts=max_attempts,
+        released=lost.released,
+    )

@@ -34,7 +34,7 @@ from kiln_train.artifacts.adapter import ADAPTER_MODEL, TRAIN_RECEIPT
 from kiln_train.artifacts.fencing import RunIdentity, rehome
 from kiln_train.errors import KilnError
 from kiln_train.ground.digest import file_digest
-from worker.attempt_progress import settle_attempt
+from worker.attempt_progress import settle_lost
 
 log = logging.getLogger(__name__)
 
@@ -152,17 +152,8 @@ class Reconciler:
         rt = self.runtime
         published = self._published_adapter(lost)
         plan = None if published is not None else self._recovery_plan(lost)
-        settled = settle_attempt(
-            attempt=lost.attempts,
-            releases=lost.releases,
-            start_step=lost.start_step,
-            reached_step=lost.reached_step,
-            checkpoint_step=_step_of(plan.resume) if plan is not None and plan.resume else None,
-            pinned_start=lost.pinned_start,
-            history=list(lost.history),
-            max_attempts=rt.settings.training.max_attempts,
-            released=lost.released,
-        )
+        resume_step = _step_of(plan.resume) if plan is not None and plan.resume else None
+        settled = settle_lost(lost, resume_step, rt.settings.training.max_attempts)
         retry = not lost.cancel_requested and settled.retry
         progress = {"progress": settled.record, "note": settled.note}
         # Its owner is presumed dead (lease expired, runner silent): the publications it was

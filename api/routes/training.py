@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,6 +21,7 @@ from kiln_train.errors import KilnError
 bp = Blueprint("training", __name__)
 
 REPLAY_HEADER = "Idempotent-Replayed"
+BUSY_RESEND_BYTES_PER_S = 4 << 20
 
 
 @contextmanager
@@ -32,10 +34,16 @@ def admission_slot(svc: Services) -> Iterator[None]:
     slot = svc.admission_slots.try_acquire()
     if slot is None:
         discard_body()
-        raise ApiError(
+        busy = ApiError(
             ADMISSION_BUSY,
             f"{svc.admission_slots.count} submission(s) are already being admitted by this server",
         )
+        # Each refusal costs the server a read of the whole body, and a client that obeys
+        # Retry-After sends it again: paced by its size, a client's resends stay under
+        # BUSY_RESEND_BYTES_PER_S however large the body (docs/security.md#health-under-load).
+        resend = math.ceil((request.content_length or 0) / BUSY_RESEND_BYTES_PER_S)
+        busy.retry_after = max(busy.retry_after or 0, resend)
+        raise busy
     try:
         yield
     finally:

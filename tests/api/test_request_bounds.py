@@ -122,3 +122,53 @@ def test_a_body_of_exactly_the_size_limit_is_stored(storage, db_url, engine, bro
         assert over.status_code == 413 and over.get_json()["error"]["code"] == "training_request_too_large"
     finally:
         app.extensions["kiln"].close()
+
+
+def test_a_busy_answer_to_a_large_body_waits_in_proportion_to_it(app, client, runner):
+    """A refused client sends its body again after Retry-After: 2 s for a small body, one second
+    per 4 MiB for a large one, so resends cost the server at most 4 MiB/s per client."""
+    slots = app.extensions["kiln"].admission_slots
+    held = [slots.try_acquire() for _ in range(slots.count)]
+    try:
+        row = json.dumps(example(0)).encode() + b"\n"
+        body = row * ((13 << 20) // len(row))
+        large = client.post("/v1/datasets?name=large.jsonl", data=body, headers=NDJSON)
+        small = client.post("/v1/datasets?name=small.jsonl", data=row, headers=NDJSON)
+    finally:
+        for slot in held:
+            slots.release(slot)
+    assert large.status_code == 503 and large.headers["Retry-After"] == "4"
+    assert small.status_code == 503 and small.headers["Retry-After"] == "2"
+
+
+def _big_example() -> dict:
+    big = example(0)
+    big["messages"][-1]["content"] = "y" * MAX_LINE_BYTES
+    return big
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "where"),
+    [
+        ("/v1/train/sft", {"examples": [example(0), _big_example()], "config": {}}, "examples[1]"),
+        ("/v1/train/sft/preflight", {"examples": [_big_example()], "config": {}}, "examples[0]"),
+        (
+            "/v1/train/sft",
+            {"examples": [example(0)], "validation": {"examples": [_big_example()]}, "config": {}},
+            "validation.examples[0]",
+        ),
+        (
+            "/v1/train/hf/sft/exports",
+            {"name": "big", "examples": [_big_example()], "config": {}},
+            "examples[0]",
+        ),
+    ],
+)
+def test_an_inline_example_is_bounded_like_a_row(route, body, where, client, runner, engine, broker, storage):
+    before = snapshot(engine, broker, storage)
+    answer = client.post(route, json=body)
+    assert answer.status_code == 400, answer.get_json()
+    error = answer.get_json()["error"]
+    assert error["code"] == "training_invalid_request"
+    assert f"{where} is " in error["message"] and f"at most {MAX_LINE_BYTES}" in error["message"], error
+    assert snapshot(engine, broker, storage) == before
