@@ -218,6 +218,9 @@ class RunnerSummary(_Out):
     free_memory_bytes: int | None
     total_memory_bytes: int | None
     current_job_id: str | None
+    model_random_init: dict | None = Field(
+        default=None, description="The resident model is a random checkpoint Kiln drew: its preset and seed."
+    )
 
 
 class DatabaseHealth(_Out):

@@ -354,6 +354,7 @@ def runner_summary(runner: Runner | None, now: datetime) -> schemas.RunnerSummar
     return schemas.RunnerSummary(
         **columns(runner, RUNNER_COLUMNS),
         heartbeat_age_s=max(0.0, (now - runner.heartbeat_at).total_seconds()),
+        model_random_init=(runner.model_config or {}).get("random_init"),
     )
 
 

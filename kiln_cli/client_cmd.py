@@ -50,6 +50,7 @@ from kiln_cli.sft_submit import (
     annotate_rows,
     read_examples,
     read_smoke_prompts,
+    scale_notes,
     sft_config,
     validation_body,
     wait_for_job,
@@ -216,8 +217,11 @@ def train_sft(
     )
     if validation is not None:
         body["validation"] = validation
-    with rows_named_in_errors(
-        lines, Path(data), validation_lines, Path(validation_data) if validation_data else None, client
+    with (
+        scale_notes(options),
+        rows_named_in_errors(
+            lines, Path(data), validation_lines, Path(validation_data) if validation_data else None, client
+        ),
     ):
         if dry_run:
             show_preflight(client, body, as_json)

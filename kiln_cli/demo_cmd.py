@@ -1,9 +1,11 @@
 """`kiln demo`: the README's main command, end to end on embedded defaults.
 
-Builds a tiny random Qwen3.5 checkpoint (real tokenizer), migrates a SQLite job store, starts
-`kiln serve` and `kiln worker` as child processes (SQLite broker, CPU), submits the demo
-conversations over HTTP with `kiln train sft` (live progress, receipt summary, adapter path) and
-stops everything it started.
+Builds a random Qwen3.5 checkpoint once per root (real tokenizer, marked as random), migrates a
+SQLite job store, starts `kiln serve` and `kiln worker` as child processes (SQLite broker, CPU),
+submits the demo conversations over HTTP with `kiln train sft` (live progress, receipt summary,
+adapter path), names the model the job ran on and the time each part took, and stops everything
+it started. It holds its root while it runs: another demo or a `kiln up` there is refused with
+this one's address (kiln_cli/stack_lock.py).
 
 Interrupting it (Ctrl-C, SIGTERM, SIGHUP) cancels the job it submitted, stops the api and the
 worker, and exits 128 + the signal number, so the next run in the same root starts clean: a

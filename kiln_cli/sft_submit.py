@@ -14,6 +14,7 @@ import re
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,25 @@ def sft_config(options: dict[str, Any]) -> dict[str, Any]:
     if options.get("optimizer") is not None:
         config["optimizer"] = {"kind": options["optimizer"]}
     return config
+
+
+# The server's refusal of alpha/rank above its limit (kiln_train/sft_config.py: SftConfig).
+UNSAFE_SCALE = "unsafe LoRA scaling"
+
+
+@contextmanager
+def scale_notes(options: dict[str, Any]) -> Iterator[None]:
+    """A refused LoRA scale after `--rank` alone says why: alpha stayed the server's default."""
+    try:
+        yield
+    except ApiError as err:
+        rank = options.get("rank")
+        if UNSAFE_SCALE in err.message and rank is not None and options.get("alpha") is None:
+            err.notes.append(
+                f"--rank {rank} without --alpha keeps the server's default lora_alpha; pass --alpha "
+                f"{2 * rank} (2 x rank, the usual choice) or --allow-high-lora-scale"
+            )
+        raise
 
 
 def read_examples(path: Path, policy: str | None, flag: str = "--data") -> tuple[list[dict], list[int]]:

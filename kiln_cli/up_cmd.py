@@ -6,7 +6,9 @@ KILN_* and the flags here; with none, the embedded defaults: SQLite and a SQLite
 revision is refused with the `kiln db upgrade` it needs, as `kiln serve` would. With no
 `model.path` configured and no model in `<root>/models/default`, a small random Qwen3.5
 checkpoint is built once (`<root>/models/kiln-<preset>`, the one `kiln demo` builds and reuses)
-so everything can be tried without real weights.
+so everything can be tried without real weights. One stack per root: a root another `kiln up` or
+`kiln demo` holds is refused with that stack's address (kiln_cli/stack_lock.py); `kiln worker`
+on the same settings adds a worker to a running one.
 
 Prints the UI address once the api answers; Ctrl-C (or SIGTERM, SIGHUP) stops the worker (it
 checkpoints a running job on the way down) and the api, and exits 128 + the signal number.

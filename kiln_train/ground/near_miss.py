@@ -3,17 +3,17 @@ unknown one (`config.epoch` → `epochs`), the accepted forms of a tagged object
 the wrong shape (`"optimizer": "adamw"` → `{"kind": "adam_w"}`), and the parent a misplaced field
 belongs under (`epochs` at the top of a request → `config.epochs`).
 
-Works on any pydantic model by walking its field annotations, so a new field or a new tag needs
-no change here. Torch-free; imports nothing of kiln_train.
+Works on any pydantic model by walking the core schema pydantic validates with (so a new field,
+a new tag or a registry of tagged kinds needs no change here). Torch-free; imports nothing of kiln_train.
 """
 
 from __future__ import annotations
 
 import difflib
 import json
-import types
 import typing
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -31,59 +31,76 @@ def nearest(word: str, names: typing.Iterable[str]) -> str | None:
     return by_folded[close[0]] if close else None
 
 
-def _models_in(annotation: Any) -> list[type[BaseModel]]:
-    """The pydantic models an annotation admits (through Optional, unions, Annotated)."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    origin = typing.get_origin(annotation)
-    if origin is typing.Annotated:
-        return _models_in(typing.get_args(annotation)[0])
-    if origin in (typing.Union, types.UnionType):
-        return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
-    return []
+# Core-schema nodes that only wrap the schema inside them (validators, defaults, Optional).
+_WRAPPERS = ("function-after", "function-before", "function-wrap", "function-plain", "default", "nullable")
 
 
-def _tag_values(model: type[BaseModel], tag: str) -> tuple[str, ...]:
-    """The literal values a model's tag field accepts (`kind: Literal["muon"]` → `("muon",)`)."""
-    info = model.model_fields.get(tag)
-    if info is None or typing.get_origin(info.annotation) is not Literal:
-        return ()
-    return tuple(str(v) for v in typing.get_args(info.annotation))
+@dataclass(frozen=True)
+class _Held:
+    """What a field holds: its model classes and, for a tagged union, the tag field and each
+    tag's class (in the union's order)."""
+
+    models: tuple[type[BaseModel], ...] = ()
+    tag: str | None = None
+    by_tag: tuple[tuple[str, type[BaseModel]], ...] = ()
 
 
-def _discriminator(model: type[BaseModel], field: str) -> str | None:
-    info = model.model_fields.get(field)
-    if info is None:
-        return None
-    tag = info.discriminator
-    if tag is None:
-        for meta in typing.get_args(info.annotation)[1:]:
-            tag = getattr(meta, "discriminator", None) or tag
-    return tag if isinstance(tag, str) else None
+def _unwrap(schema: dict, refs: dict[str, dict]) -> dict:
+    """The node under validator, default, Optional and definition wrappers."""
+    while True:
+        kind = schema.get("type")
+        if kind == "definitions":
+            refs.update({d["ref"]: d for d in schema.get("definitions", []) if "ref" in d})
+            schema = schema["schema"]
+        elif kind == "definition-ref":
+            schema = refs.get(schema.get("schema_ref"), {})
+        elif kind in _WRAPPERS and isinstance(schema.get("schema"), dict):
+            schema = schema["schema"]
+        else:
+            return schema
+
+
+def _held(model: type[BaseModel], field: str) -> _Held:
+    """What `model.field` holds, read from pydantic's core schema: the validation pydantic
+    really runs, however the annotation is spelled (a plain union, a registry's wrapper)."""
+    refs: dict[str, dict] = {}
+    top = _unwrap(getattr(model, "__pydantic_core_schema__", {}), refs)
+    if top.get("type") != "model":
+        return _Held()
+    fields = _unwrap(top.get("schema", {}), refs).get("fields", {})
+    if field not in fields:
+        return _Held()
+    node = _unwrap(fields[field].get("schema", {}), refs)
+    if node.get("type") == "model":
+        return _Held(models=(node["cls"],))
+    if node.get("type") == "tagged-union" and isinstance(node.get("discriminator"), str):
+        by_tag = [(str(tag), _unwrap(choice, refs)) for tag, choice in node.get("choices", {}).items()]
+        pairs = tuple((tag, choice["cls"]) for tag, choice in by_tag if choice.get("type") == "model")
+        models = tuple(dict.fromkeys(cls for _, cls in pairs))
+        return _Held(models=models, tag=node["discriminator"], by_tag=pairs)
+    if node.get("type") == "union":
+        choices = [c[0] if isinstance(c, tuple) else c for c in node.get("choices", [])]
+        found = [_unwrap(c, refs) for c in choices]
+        return _Held(models=tuple(c["cls"] for c in found if c.get("type") == "model"))
+    return _Held()
 
 
 def _walk(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[type[BaseModel], str] | None:
     """(the model holding the last part of `loc`, that part), following pydantic's error path:
     a field name descends into its model, a tag value picks one member of a tagged union."""
     *path, last = loc
-    parts = list(path)
+    parts = [str(p) for p in path]
     while parts:
-        part = parts.pop(0)
-        info = model.model_fields.get(str(part))
-        if info is None:
-            return None
-        members = _models_in(info.annotation)
-        if len(members) == 1:
-            model = members[0]
+        held = _held(model, parts.pop(0))
+        if held.tag is None and len(held.models) == 1:
+            model = held.models[0]
             continue
-        tag = _discriminator(model, str(part))
-        if not members or tag is None or not parts:
+        if held.tag is None or not parts:
             return None
-        chosen = [m for m in members if str(parts[0]) in _tag_values(m, tag)]
-        if len(chosen) != 1:
+        chosen = dict(held.by_tag).get(parts.pop(0))
+        if chosen is None:
             return None
-        parts.pop(0)
-        model = chosen[0]
+        model = chosen
     return model, str(last)
 
 
@@ -97,8 +114,8 @@ def unknown_field_hint(model: type[BaseModel], loc: tuple[Any, ...]) -> str | No
     close = nearest(written, holder.model_fields)
     if close is not None:
         return f"did you mean `{close}`?"
-    for name, info in holder.model_fields.items():
-        for child in _models_in(info.annotation):
+    for name in holder.model_fields:
+        for child in _held(holder, name).models:
             if written in child.model_fields:
                 return f"`{written}` belongs under `{name}` (`{name}.{written}`)"
             close = nearest(written, child.model_fields)
@@ -117,12 +134,9 @@ def tagged_shape_message(model: type[BaseModel], loc: tuple[Any, ...], value: An
     if found is None:
         return None
     holder, field = found
-    tag = _discriminator(holder, field)
-    info = holder.model_fields.get(field)
-    if tag is None or info is None:
-        return None
-    tags = [t for m in _models_in(info.annotation) for t in _tag_values(m, tag)]
-    if not tags:
+    held = _held(holder, field)
+    tag, tags = held.tag, [t for t, _ in held.by_tag]
+    if tag is None or not tags:
         return None
     forms = [json.dumps({tag: t}) for t in tags]
     accepted = ", ".join(forms[:-1]) + f" or {forms[-1]}" if len(forms) > 1 else forms[0]

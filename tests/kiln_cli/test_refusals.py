@@ -79,3 +79,15 @@ def test_the_api_names_the_nearest_field_and_the_optimizer_forms(server):
     assert 'config.optimizer: must be an object with a "kind": ' in error["message"]
     assert error["message"].endswith('did you mean {"kind": "adam_w"}?')
     assert "valid dictionary" not in error["message"]
+
+
+def test_a_rank_alone_that_breaks_the_scale_limit_says_why(kiln, server, tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", [example(1)])
+    code, _out, err = kiln("train", "sft", "--data", str(data), "--rank", "4", "--no-wait")
+    assert code == 1 and "unsafe LoRA scaling" in err
+    assert (
+        "  note: --rank 4 without --alpha keeps the server's default lora_alpha; pass --alpha 8 "
+        "(2 x rank, the usual choice) or --allow-high-lora-scale"
+    ) in err
+    code, _out, err = kiln("train", "sft", "--data", str(data), "--rank", "4", "--alpha", "40", "--no-wait")
+    assert code == 1 and "unsafe LoRA scaling" in err and "without --alpha" not in err  # alpha was chosen

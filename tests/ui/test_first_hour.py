@@ -182,6 +182,7 @@ def test_the_newcomer_path_from_the_sample_to_a_downloaded_adapter(tab, stack, t
     page.goto("/#/")
     expect(page.locator("#overview-runner")).to_have_text("alive")
     expect(page.locator("#overview-queue")).to_have_text(re.compile(r"^\d+ queued$"))
+    expect(page.locator("#overview-model-random")).to_contain_text("A random tiny checkpoint")
     assert_clean(page, "overview")
 
     page.click("header nav a[data-page='train']")

@@ -481,7 +481,10 @@ async function showOverview() {
       ? `${runner.id} · ${runner.state} · heartbeat ${runner.heartbeat_age_s.toFixed(1)} s ago`
       : "Start a worker: kiln worker (or kiln up).");
     $("#guide-worker").closest("li").classList.toggle("done", Boolean(runner));
+    const random = runner && runner.model_random_init;
     setText("overview-model", runner ? runner.model_path : config.model.path);
+    setText("overview-model-random", random
+      ? `A random ${random.preset} checkpoint: runs show the mechanics, not a useful model (kiln up --model-path DIR for a real Qwen3.5).` : "");
     setText("overview-device", runner ? `${runner.device} · weights ${runner.base_weight_dtype}` : `configured device ${config.model.device}`);
     setText("overview-backend", runner ? runner.backend : "–");
     setText("overview-route", runner ? `loss route ${runner.loss_route}` : "");

@@ -24,6 +24,11 @@ def test_a_job_names_its_random_model_in_every_answer(client, runner, runner_kwa
     assert listed[job_id]["model"] == expected
 
 
+def test_health_says_the_resident_model_is_random(client, runner):
+    runner_body = client.get("/health").get_json()["runner"]
+    assert runner_body["model_random_init"] == {"preset": "tiny", "seed": 0}
+
+
 def test_a_real_model_has_no_random_mark(client, sessions, runner_kwargs, tiny_model_dir, tmp_path):
     unmarked = shutil.copytree(tiny_model_dir, tmp_path / "qwen3.5-real")
     (unmarked / RANDOM_INIT_FILE).unlink()
