@@ -164,7 +164,11 @@ class _Recompute(torch.autograd.Function):
         ctx.fn = fn
         ctx.save_for_backward(*inputs)
         outputs = fn(*_detached(inputs))
-        return outputs if isinstance(outputs, tuple) else (outputs,)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        # An output aliasing an input (a conv tail sliced from its input) becomes its own tensor,
+        # so autograd never treats it as a view of what the caller passed in.
+        held = {t.untyped_storage().data_ptr() for t in inputs if t is not None}
+        return tuple(o.clone() if o.untyped_storage().data_ptr() in held else o for o in outputs)
 
     @staticmethod
     def backward(ctx, *grads):
