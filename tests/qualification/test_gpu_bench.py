@@ -51,7 +51,12 @@ def test_the_tiny_run_fills_every_row(bench):
     code, lines, result = bench
     assert code == 0 and result["failed"] == 0, lines[-30:]
     kiln = [r for r in result["rows"] if r["side"] == "kiln"]
-    assert [(r["length"], r["budget_gib"]) for r in kiln] == [(64, 0.093), (64, 1.0), (256, 0.093), (256, 1.0)]
+    assert [(r["length"], r["budget_gib"]) for r in kiln] == [
+        (64, 0.093),
+        (64, 1.0),
+        (256, 0.093),
+        (256, 1.0),
+    ]
     for r in kiln:
         assert r["status"] == "ok" and r["gdn_path"] == "torch-chunked"
         assert r["timed_steps"] == 1 and r["step_s"] > 0
