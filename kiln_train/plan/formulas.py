@@ -57,8 +57,9 @@ def vocab_chunk_size(vocab_size: int, active_rows: int) -> int:
 #   attention core, per token (never blocked): the f32 q/k norms (2·F·(qd + kvd)), RoPE and the
 #     repeated k/v (6·e·qd), the SDPA output and log-sum-exp (e·qd + F·heads), and the
 #     gradients of q, k, v before and after the repeat (6·e·qd).
-#   SwiGLU's down group: silu(gate), the product, its gradient, the gate and up gradients (5·e·i),
-#     plus the incoming gradient (e·h).
+#   SwiGLU's down group: the product and its gradient, then silu(gate) with the gradients of
+#     silu(gate) and up, then (silu(gate) released) the gate gradient: 5·e·i at most, plus the
+#     incoming gradient (e·h).
 #   a norm group: the incoming projection gradients (at most 2·e·i, gate and up), the recomputed
 #     norm with its f32 internals and the summed input gradient ((3·F + 3·e)·h).
 #   GDN's output group: the recomputed gated norm in f32 (12·vd + e·vd) and its two gradients.
