@@ -23,6 +23,7 @@ keeps its output and the recomputation in backward reuses it instead of redoing 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -51,7 +52,16 @@ class SegmentOutputs:
         return outputs
 
 
-_active: list[SegmentOutputs] = []
+_local = threading.local()
+
+
+def _active() -> list[SegmentOutputs]:
+    """This thread's stack of running segment stores (a recomputation runs wholly on one thread:
+    the caller's on cpu, the autograd engine's device thread on cuda)."""
+    stack = getattr(_local, "stores", None)
+    if stack is None:
+        stack = _local.stores = []
+    return stack
 
 
 class segment_outputs:  # noqa: N801 - used as a context manager, like torch.no_grad
@@ -62,11 +72,11 @@ class segment_outputs:  # noqa: N801 - used as a context manager, like torch.no_
 
     def __enter__(self) -> SegmentOutputs:
         self.store.start()
-        _active.append(self.store)
+        _active().append(self.store)
         return self.store
 
     def __exit__(self, *exc) -> None:
-        _active.pop()
+        _active().pop()
 
 
 def _apply(y: torch.Tensor, linear: FrozenLinear) -> torch.Tensor:
@@ -149,7 +159,8 @@ def project(
     if not torch.is_grad_enabled():
         y = prologue(*inputs)
         return tuple(_apply(y, linear) for linear in linears)
-    store = _active[-1] if keep and _active else None
+    stores = _active()
+    store = stores[-1] if keep and stores else None
     replay = store.take() if store is not None and store.replaying else None
     loras = [p for linear in linears if linear.lora_A is not None for p in (linear.lora_A, linear.lora_B)]
     outputs = _Project.apply(prologue, tuple(linears), replay, len(inputs), *inputs, *loras)
