@@ -116,6 +116,8 @@ class _Project(torch.autograd.Function):
             leaves = [t.detach().requires_grad_(w) for t, w in zip(inputs, wants, strict=True)]
             y = ctx.prologue(*leaves)
         yd = y.detach()
+        # No input wants a gradient (layer 0 reads the embedding): only the LoRA gradients.
+        flows = any(wants)
         grad_y = None
         lora_grads: list[torch.Tensor | None] = []
         for linear, g in zip(ctx.linears, grads, strict=True):
@@ -123,15 +125,17 @@ class _Project(torch.autograd.Function):
             if g is None:
                 lora_grads += [None, None] if has_lora else []
                 continue
-            gy = g.matmul(linear.weight)
+            gy = g.matmul(linear.weight) if flows else None
             if has_lora:
                 scaled = F.linear(yd, linear.lora_A) * linear.lora_scale
                 grad_b = _flat(g).t().matmul(_flat(scaled))
                 grad_u = g.matmul(linear.lora_B) * linear.lora_scale
                 grad_a = _flat(grad_u).t().matmul(_flat(yd))
-                gy = gy + grad_u.matmul(linear.lora_A)
+                if flows:
+                    gy = gy + grad_u.matmul(linear.lora_A)
                 lora_grads += [grad_a, grad_b]
-            grad_y = gy if grad_y is None else grad_y + gy
+            if flows:
+                grad_y = gy if grad_y is None else grad_y + gy
         input_grads: list[torch.Tensor | None] = [None] * ctx.n_inputs
         needed = [i for i, w in enumerate(wants) if w]
         if needed and grad_y is not None:
