@@ -7,12 +7,16 @@ for backward. Storage is counted once however often it is saved (views of one te
 input of several projections), weights and LoRA leaves are not activations and are skipped. Each
 saved tensor is charged to the innermost module running when it was saved:
 
-    norms      input_layernorm, post_attention_layernorm (and q/k norms when they save alone)
-    gdn        the linear_attn mixer (conv, gates, delta rule, output norm)
-    attention  the self_attn mixer (q/k norms, RoPE, SDPA, output gate)
+    norms      a block or q/k RMSNorm that saves on its own
+    gdn        the linear_attn mixer (its projection groups, conv, gates, delta rule, output norm)
+    attention  the self_attn mixer (its projection groups, q/k norms, RoPE, SDPA, output gate)
     mlp        the SwiGLU MLP
-    lora       a LoRA branch that saves on its own
-    layer      the decoder layer itself (fused groups called from it)
+    lora       a LoRA projection that saves on its own
+    layer      the decoder layer itself
+
+The model fuses each block norm and every LoRA projection into the projection group that calls
+them (kiln_train/model/recompute.py), so their inputs are charged to the mixer or the MLP and
+the norms and lora rows read 0; before that fusion they kept their own copies.
 
 It prints one row per kind and per whole layer (bytes / token / layer) beside the derived
 minimum (docs/performance.md#saved-activations), then `RESULT {json}`.

@@ -85,7 +85,9 @@ PRESETS = {
         base="tiny",
         overrides={},
         lengths=(64, 256),
-        budgets_gib=(0.1, 1.0),  # 0.1: the 0.06 GiB model leaves T = 256 two segments
+        # 0.093: the 0.06 GiB model leaves T = 256 two or three segments (one needs > 0.0937, three
+        # < 0.0922: the planner prices the lean layers, docs/performance.md#estimate)
+        budgets_gib=(0.093, 1.0),
         steps={64: 2, 256: 2},
         transformers_length=128,
         transformers_steps=2,

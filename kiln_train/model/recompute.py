@@ -23,6 +23,7 @@ keeps its output and the recomputation in backward reuses it instead of redoing 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -51,7 +52,16 @@ class SegmentOutputs:
         return outputs
 
 
-_active: list[SegmentOutputs] = []
+_local = threading.local()
+
+
+def _active() -> list[SegmentOutputs]:
+    """This thread's stack of running segment stores (a recomputation runs wholly on one thread:
+    the caller's on cpu, the autograd engine's device thread on cuda)."""
+    stack = getattr(_local, "stores", None)
+    if stack is None:
+        stack = _local.stores = []
+    return stack
 
 
 class segment_outputs:  # noqa: N801 - used as a context manager, like torch.no_grad
@@ -62,11 +72,11 @@ class segment_outputs:  # noqa: N801 - used as a context manager, like torch.no_
 
     def __enter__(self) -> SegmentOutputs:
         self.store.start()
-        _active.append(self.store)
+        _active().append(self.store)
         return self.store
 
     def __exit__(self, *exc) -> None:
-        _active.pop()
+        _active().pop()
 
 
 def _apply(y: torch.Tensor, linear: FrozenLinear) -> torch.Tensor:
@@ -106,6 +116,8 @@ class _Project(torch.autograd.Function):
             leaves = [t.detach().requires_grad_(w) for t, w in zip(inputs, wants, strict=True)]
             y = ctx.prologue(*leaves)
         yd = y.detach()
+        # No input wants a gradient (layer 0 reads the embedding): only the LoRA gradients.
+        flows = any(wants)
         grad_y = None
         lora_grads: list[torch.Tensor | None] = []
         for linear, g in zip(ctx.linears, grads, strict=True):
@@ -113,15 +125,17 @@ class _Project(torch.autograd.Function):
             if g is None:
                 lora_grads += [None, None] if has_lora else []
                 continue
-            gy = g.matmul(linear.weight)
+            gy = g.matmul(linear.weight) if flows else None
             if has_lora:
                 scaled = F.linear(yd, linear.lora_A) * linear.lora_scale
                 grad_b = _flat(g).t().matmul(_flat(scaled))
                 grad_u = g.matmul(linear.lora_B) * linear.lora_scale
                 grad_a = _flat(grad_u).t().matmul(_flat(yd))
-                gy = gy + grad_u.matmul(linear.lora_A)
+                if flows:
+                    gy = gy + grad_u.matmul(linear.lora_A)
                 lora_grads += [grad_a, grad_b]
-            grad_y = gy if grad_y is None else grad_y + gy
+            if flows:
+                grad_y = gy if grad_y is None else grad_y + gy
         input_grads: list[torch.Tensor | None] = [None] * ctx.n_inputs
         needed = [i for i, w in enumerate(wants) if w]
         if needed and grad_y is not None:
@@ -149,7 +163,8 @@ def project(
     if not torch.is_grad_enabled():
         y = prologue(*inputs)
         return tuple(_apply(y, linear) for linear in linears)
-    store = _active[-1] if keep and _active else None
+    stores = _active()
+    store = stores[-1] if keep and stores else None
     replay = store.take() if store is not None and store.replaying else None
     loras = [p for linear in linears if linear.lora_A is not None for p in (linear.lora_A, linear.lora_B)]
     outputs = _Project.apply(prologue, tuple(linears), replay, len(inputs), *inputs, *loras)
@@ -164,7 +179,11 @@ class _Recompute(torch.autograd.Function):
         ctx.fn = fn
         ctx.save_for_backward(*inputs)
         outputs = fn(*_detached(inputs))
-        return outputs if isinstance(outputs, tuple) else (outputs,)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        # An output aliasing an input (a conv tail sliced from its input) becomes its own tensor,
+        # so autograd never treats it as a view of what the caller passed in.
+        held = {t.untyped_storage().data_ptr() for t in inputs if t is not None}
+        return tuple(o.clone() if o.untyped_storage().data_ptr() in held else o for o in outputs)
 
     @staticmethod
     def backward(ctx, *grads):

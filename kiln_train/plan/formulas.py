@@ -57,8 +57,9 @@ def vocab_chunk_size(vocab_size: int, active_rows: int) -> int:
 #   attention core, per token (never blocked): the f32 q/k norms (2·F·(qd + kvd)), RoPE and the
 #     repeated k/v (6·e·qd), the SDPA output and log-sum-exp (e·qd + F·heads), and the
 #     gradients of q, k, v before and after the repeat (6·e·qd).
-#   SwiGLU's down group: silu(gate), the product, its gradient, the gate and up gradients (5·e·i),
-#     plus the incoming gradient (e·h).
+#   SwiGLU's down group: the product and its gradient, then silu(gate) with the gradients of
+#     silu(gate) and up, then (silu(gate) released) the gate gradient: 5·e·i at most, plus the
+#     incoming gradient (e·h).
 #   a norm group: the incoming projection gradients (at most 2·e·i, gate and up), the recomputed
 #     norm with its f32 internals and the summed input gradient ((3·F + 3·e)·h).
 #   GDN's output group: the recomputed gated norm in f32 (12·vd + e·vd) and its two gradients.
@@ -262,13 +263,15 @@ def validation_score_block(vocab_size: int, active_rows: int) -> tuple[int, int]
 
 def forward_activation_bytes(config: Qwen35Config, t: int, r: int, e: int) -> int:
     """Activations live while one layer runs forward without autograd: nothing is kept from layer
-    to layer, so the bound is the heaviest layer's group inputs (what training saves of it), the
-    largest part it computes at once (`layer_transient_bytes`) and its [T, h] input and output."""
-    return (
-        max(layer_activation_bytes(config, t, r, e))
-        + layer_transient_bytes(config, t, r, e)
-        + 2 * t * config.hidden_size * e
-    )
+    to layer, so the bound is the heaviest layer phase (its group outputs with the largest group
+    at work, or its core's inputs with the core at work: what its backward holds at those points
+    bounds what its forward creates) plus its [T, h] input and output."""
+    per_layer = dict(zip(config.layer_types, layer_activation_bytes(config, t, r, e), strict=True))
+    phases = []
+    for kind, saved in per_layer.items():
+        held, core = _core_phase(config, t, e, kind)
+        phases += [saved + _group_transient(config, t, r, e, kind), held + core]
+    return max(phases) + 2 * t * config.hidden_size * e
 
 
 def forward_boundary_bytes(config: Qwen35Config, t: int, e: int) -> int:
