@@ -12,7 +12,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kiln_train.checkpoint import load_checkpoint
 from kiln_train.model import attach_lora
@@ -93,13 +92,17 @@ class StepSpy:
 
 
 class StepCounter:
-    """A progress callback counting completed steps (the graph breaks below key off it)."""
+    """A progress callback counting completed steps; `after_step_2` runs once step 2 is done (the
+    graph breaks below start there)."""
 
-    def __init__(self):
+    def __init__(self, after_step_2=None):
         self.done = 0
+        self.after_step_2 = after_step_2
 
     def __call__(self, report):
         self.done = report.global_step
+        if report.global_step == 2 and self.after_step_2 is not None:
+            self.after_step_2()
 
 
 MODULE = "layers.1.mlp.down_proj"
@@ -108,20 +111,23 @@ LEAF = f"base_model.model.model.{MODULE}"
 
 @pytest.mark.parametrize("how", ["drop_lora_path", "detach_lora_b"])
 def test_a_severed_graph_fails_at_the_gradient_set_boundary(resident, ingestion, tmp_path, monkeypatch, how):
-    """From step 3 on one projection loses (part of) its LoRA path: the step is refused intact."""
-    spy, counter = StepSpy(monkeypatch), StepCounter()
+    """From step 3 on one projection loses (part of) its LoRA path: the step is refused intact.
+
+    The layers compute their projections with their own backward (`model/recompute.py`), which
+    reads the projection's `lora_A`/`lora_B`: the break swaps them out of the graph the optimizer's
+    leaves are in (the leaves themselves stay what the optimizer holds)."""
+    spy = StepSpy(monkeypatch)
     module = resident.model.get_submodule(MODULE)
-    real_forward = module.forward
 
-    def forward(x):
-        if counter.done < 2:
-            return real_forward(x)
-        y = F.linear(x, module.weight)
+    def sever():
         if how == "drop_lora_path":
-            return y
-        return y + F.linear(F.linear(x, module.lora_A) * module.lora_scale, module.lora_B.detach())
+            monkeypatch.setattr(module, "lora_A", None)
+            monkeypatch.setattr(module, "lora_B", None)
+        else:
+            frozen = torch.nn.Parameter(module.lora_B.detach().clone(), requires_grad=False)
+            monkeypatch.setattr(module, "lora_B", frozen)
 
-    monkeypatch.setattr(module, "forward", forward)
+    counter = StepCounter(after_step_2=sever)
     result = train(resident, make_config(seed=SEED), ingestion, tmp_path, progress=counter)
     missing = f"{LEAF}.lora_A.weight" if how == "drop_lora_path" else f"{LEAF}.lora_B.weight"
     count = 2 if how == "drop_lora_path" else 1
@@ -148,17 +154,18 @@ class NaNGrad(torch.autograd.Function):
         return torch.full_like(grad, float("nan"))
 
 
-def _inject_nan(monkeypatch, model, module_path: str) -> None:
-    module = model.get_submodule(module_path)
+def _inject_nan(monkeypatch, model, layer: int) -> None:
+    """Layer `layer`'s MLP output (what its down_proj produced) gets a NaN gradient."""
+    module = model.get_submodule(f"layers.{layer}.mlp")
     real_forward = module.forward
-    monkeypatch.setattr(module, "forward", lambda x: NaNGrad.apply(real_forward(x)))
+    monkeypatch.setattr(module, "forward", lambda *args, **kw: NaNGrad.apply(real_forward(*args, **kw)))
 
 
 def test_a_nan_gradient_is_refused_before_the_optimizer_changes_anything(
     resident, ingestion, tmp_path, monkeypatch
 ):
     spy = StepSpy(monkeypatch)
-    _inject_nan(monkeypatch, resident.model, "layers.2.mlp.down_proj")
+    _inject_nan(monkeypatch, resident.model, 2)
     result = train(resident, make_config(seed=SEED), ingestion, tmp_path)
     receipt = _check_failed(result, tmp_path, "training_error", "is not finite")
     assert "tape position" not in result.failure_message  # the per-operation scan is off by default
@@ -173,7 +180,7 @@ def test_detect_anomaly_names_the_first_bad_operation_and_its_tape_position(
     positions = {}
     for layer in (3, 0):
         with monkeypatch.context() as mp:
-            _inject_nan(mp, resident.model, f"layers.{layer}.mlp.down_proj")
+            _inject_nan(mp, resident.model, layer)
             config = make_config(seed=SEED, detect_anomaly=True, grad_checkpoint_segments=segments)
             root = tmp_path / f"layer{layer}"
             result = train(resident, config, ingestion, root)
