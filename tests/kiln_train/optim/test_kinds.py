@@ -4,6 +4,7 @@ checkpointed and reloaded like the built-in three, and is gone again after the f
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 import pytest
@@ -200,7 +201,10 @@ def test_a_checkpoint_of_the_new_kind_round_trips(heavy_ball, tmp_path):
 
 def test_the_new_kind_is_gone_after_its_fixture():
     assert optimizer_kinds() == BUILT_IN
-    with pytest.raises(KilnError, match="does not match any of the expected tags: 'sgd', 'adam_w', 'muon'"):
+    with pytest.raises(KilnError) as refused:
         parse_sft_config({"optimizer": {"kind": "heavy_ball"}})
+    # The refusal names the unknown kind and offers only the built-in three.
+    assert "heavy_ball" in refused.value.message
+    assert re.search(r"sgd.*adam_w.*muon", refused.value.message)
     with pytest.raises(KilnError, match="is not one of muon, adam_w, sgd"):
         check_optimizer_tuple(backend_for_device("cpu"), parse_config(QWEN35_4B_TEXT_CONFIG), "heavy_ball", 4)
