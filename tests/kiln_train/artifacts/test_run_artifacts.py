@@ -43,7 +43,7 @@ OPTIONAL_TOP = {"failure_message", "adapter_smoke_test", "requested_config"}
 # field -> (required keys in order, optional keys); `|null` keys are required, `?` keys optional
 SUB = {
     "kiln": (["git_commit", "git_dirty", "git_source", "package_version"], ["env_config_hash"]),
-    "model": (["path", "config_hash"], ["base_weight_shard_manifest"]),
+    "model": (["path", "config_hash"], ["base_weight_shard_manifest", "random_init"]),
     "tokenizer": (["config_hash"], ["tokenizer_config_hash", "chat_template_hash", "training_chat_template_hash"]),
     "adapters": (["base", "output"], []),
     "training_data": (["source", "path", "sha256"], ["openenv"]),
