@@ -24,7 +24,7 @@ FIREWALLS = ("iptables", "ip6tables")
 
 @dataclass(frozen=True)
 class Ruleset:
-    """One table of one firewall: its chains and its rules (`-A CHAIN ...` lines)."""
+    """One table of one firewall: its user-defined chains and its rules (`-A CHAIN ...` lines)."""
 
     chains: frozenset[str]
     rules: tuple[str, ...]
@@ -51,7 +51,12 @@ def read_firewall(tool: str) -> dict[str, Ruleset]:
             table = line[1:]
             tables[table] = (set(), [])
         elif table and line.startswith(":"):
-            tables[table][0].add(line[1:].split()[0])
+            name, policy = line[1:].split()[:2]
+            # A built-in chain (INPUT, FORWARD, ...; its policy is not "-") comes with its table:
+            # the first container loads a table that was not there before, and a table cannot be
+            # unloaded, so only user-defined chains count as something added.
+            if policy == "-":
+                tables[table][0].add(name)
         elif table and line.startswith("-A "):
             tables[table][1].append(line)
     return {name: Ruleset(frozenset(chains), tuple(rules)) for name, (chains, rules) in tables.items()}
