@@ -60,6 +60,7 @@ import json
 from dataclasses import dataclass
 
 from kiln_train.data.chat_template import SPAN_CLOSE, SPAN_OPEN
+from kiln_train.ground.json_bounded import depth
 
 ROLES = ("system", "user", "assistant", "tool")
 REASONING_ALIASES = ("reasoning_content", "thinking", "reasoning")
@@ -157,26 +158,9 @@ def decode_json(text: str):
 
 
 def json_depth(value, limit: int = MAX_JSON_DEPTH) -> int:
-    """Nesting depth of arrays/objects in `value` (a scalar is 0), computed without recursion.
-
-    Stops counting once `limit` is exceeded (returns `limit + 1`), so hostile inputs cost little.
-    """
-    deepest = 0
-    stack = [(value, 1)]
-    while stack:
-        item, level = stack.pop()
-        if isinstance(item, dict):
-            children = item.values()
-        elif isinstance(item, list | tuple):
-            children = item
-        else:
-            continue
-        if level > deepest:
-            deepest = level
-            if deepest > limit:
-                return limit + 1
-        stack.extend((child, level + 1) for child in children if isinstance(child, dict | list | tuple))
-    return deepest
+    """Nesting depth of arrays/objects in `value` (a scalar is 0), counted up to `limit + 1` by the
+    ground's non-recursive walk (`kiln_train.ground.json_bounded.depth`) under a row's bound."""
+    return depth(value, limit)
 
 
 def _opt_str(msg: dict, key: str, where: str) -> str | None:
